@@ -1,0 +1,256 @@
+"""Recipes: what to run (job, resources, strategy, precision, training, checkpoint, stages, sweep)."""
+
+from __future__ import annotations
+
+import copy
+import typing as tp
+from pathlib import Path
+
+import pydantic
+
+from hpcrun.errors import HpcrunError
+from hpcrun.fields import EnvName, Line, Minutes, Name, PathStr, Token
+from hpcrun.loader import Frozen, error_from, read_yaml, validate
+from hpcrun.sizes import SIZES
+
+Offload = tp.Literal["none", "cpu", "nvme"]
+Precision = tp.Literal["fp32", "bf16-mixed", "fp16-mixed"]
+
+
+class BenchmarkJob(Frozen):
+    """The built-in GPT benchmark on synthetic tokens."""
+
+    kind: tp.Literal["benchmark"]
+    model: str = "tiny"
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in SIZES:
+            raise ValueError(f"unknown model size {value!r}; known: {', '.join(SIZES)}")
+        return value
+
+
+class EntrypointJob(Frozen):
+    """A user's Python function `module:function`, handed a context object."""
+
+    kind: tp.Literal["entrypoint"]
+    entrypoint: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    args: dict[str, tp.Any] = {}
+    pythonpath: list[PathStr] = []
+
+
+class CommandJob(Frozen):
+    """A user's existing training command, launched once per rank with the distributed env set."""
+
+    kind: tp.Literal["command"]
+    command: list[Line] = pydantic.Field(min_length=1)
+    workdir: PathStr | None = None
+
+
+Job = tp.Annotated[BenchmarkJob | EntrypointJob | CommandJob, pydantic.Field(discriminator="kind")]
+
+
+class Resources(Frozen):
+    """How much of the cluster. `gpus_per_node` is ranks per node: one per GPU, or one CPU
+    process per rank on a CPU partition."""
+
+    nodes: int = pydantic.Field(default=1, ge=1)
+    gpus_per_node: int = pydantic.Field(default=1, ge=1)
+    partition: Token | None = None
+    time: Minutes = 60
+    cpus_per_task: int | None = pydantic.Field(default=None, ge=1)
+
+
+class DDP(Frozen):
+    name: tp.Literal["ddp"]
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+    find_unused_parameters: bool = False
+    comm_hook: tp.Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    powersgd_rank: int = pydantic.Field(default=1, ge=1)
+
+
+class FSDP(Frozen):
+    name: tp.Literal["fsdp"]
+    sharding: tp.Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
+    cpu_offload: bool = False
+    backward_prefetch: tp.Literal["pre", "post", "none"] = "pre"
+    meta_init: bool = False
+
+
+class DeepSpeed(Frozen):
+    name: tp.Literal["deepspeed"]
+    stage: tp.Literal[0, 1, 2, 3] = 2
+    offload_optimizer: Offload = "none"
+    offload_param: Offload = "none"
+    config: PathStr | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _offload_rules(self) -> "DeepSpeed":
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(f"offload_param needs stage 3: only ZeRO-3 partitions parameters (stage is {self.stage})")
+        if self.offload_optimizer == "nvme" and self.stage != 3:
+            raise ValueError(f"offload_optimizer: nvme needs stage 3 (ZeRO-Infinity) (stage is {self.stage})")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs stage 1, 2 or 3")
+        return self
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.offload_optimizer, self.offload_param)
+
+
+Strategy = tp.Annotated[DDP | FSDP | DeepSpeed, pydantic.Field(discriminator="name")]
+
+
+class Training(Frozen):
+    steps: int = pydantic.Field(default=20, ge=1)
+    micro_batch: int = pydantic.Field(default=4, ge=1)
+    grad_accum: int = pydantic.Field(default=1, ge=1)
+    seq_len: int = pydantic.Field(default=64, ge=8)
+    seed: int = pydantic.Field(default=0, ge=0)
+    lr: float = pydantic.Field(default=1e-3, gt=0)
+    grad_clip: float | None = pydantic.Field(default=1.0, gt=0)
+    activation_checkpointing: bool = False
+    warmup_steps: int = pydantic.Field(default=2, ge=0)
+    log_interval: int = pydantic.Field(default=10, ge=1)
+
+
+class Checkpoint(Frozen):
+    interval: int = pydantic.Field(default=50, ge=1)
+    keep: int = 2
+    max_requeues: int = pydantic.Field(default=3, ge=0, le=4)
+    signal_lead_s: int | None = pydantic.Field(default=None, ge=10)
+
+    @pydantic.field_validator("keep")
+    @classmethod
+    def _keep(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(f"keep at least 2 checkpoints: the last one may still be being written (got {value})")
+        return value
+
+
+class Recipe(Frozen):
+    """One runnable recipe (a stage or a sweep point is also one)."""
+
+    name: Name
+    job: Job = BenchmarkJob(kind="benchmark")
+    resources: Resources = Resources()
+    strategy: Strategy = DDP(name="ddp")
+    precision: Precision = "fp32"
+    training: Training = Training()
+    checkpoint: Checkpoint = Checkpoint()
+    env: dict[EnvName, Line] = {}
+
+
+class Stage(Frozen):
+    """A step of a multi-stage recipe; its fields override the recipe's for that stage."""
+
+    name: Name
+    dependency: tp.Literal["afterok", "afterany", "afternotok"] = "afterok"
+    init_from: tp.Literal["previous", "none"] = "previous"
+    resources: dict[str, tp.Any] = {}
+    strategy: dict[str, tp.Any] | None = None
+    precision: Precision | None = None
+    training: dict[str, tp.Any] = {}
+    checkpoint: dict[str, tp.Any] = {}
+
+
+class Sweep(Frozen):
+    """A matrix over dotted recipe fields (`strategy`, `resources.nodes`, `training.micro_batch`)."""
+
+    axes: dict[str, list[tp.Any]] = pydantic.Field(min_length=1)
+    include: list[dict[str, tp.Any]] = []
+    exclude: list[dict[str, tp.Any]] = []
+    max_concurrent: int | None = pydantic.Field(default=None, ge=1)
+
+    @pydantic.field_validator("axes")
+    @classmethod
+    def _axes(cls, value: dict[str, list[tp.Any]]) -> dict[str, list[tp.Any]]:
+        for key, values in value.items():
+            if key.split(".")[0] not in SWEEPABLE:
+                raise ValueError(f"axis {key!r} must start with one of {', '.join(SWEEPABLE)}")
+            if not values:
+                raise ValueError(f"axis {key!r} has no values")
+        return value
+
+
+SWEEPABLE = ("job", "resources", "strategy", "precision", "training", "checkpoint")
+STAGE_MERGED = ("resources", "training", "checkpoint")
+
+
+class RecipeFile(Frozen):
+    """A recipe file after validation: the base recipe, its stages and its sweep, each checked."""
+
+    path: str
+    base: Recipe
+    stages: list[tuple[Stage, Recipe]] = []
+    sweep: Sweep | None = None
+    raw: dict[str, tp.Any] = pydantic.Field(default={}, exclude=True)
+
+    def point(self, overrides: dict[str, tp.Any]) -> Recipe:
+        """The recipe with dotted-path `overrides` applied (a sweep point), validated."""
+        data = apply_overrides(self.raw, overrides)
+        try:
+            return Recipe.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise error_from(exc, data, Recipe, self.path) from exc
+
+
+def apply_overrides(base: dict[str, tp.Any], overrides: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """A deep copy of `base` with each dotted key of `overrides` set. A string value for
+    `strategy` is shorthand for `{name: value}`."""
+    data = copy.deepcopy(base)
+    for dotted, value in overrides.items():
+        keys = dotted.split(".")
+        node = data
+        for key in keys[:-1]:
+            child = node.get(key)
+            node[key] = child = dict(child) if isinstance(child, dict) else {}
+            node = child
+        if keys == ["strategy"] and isinstance(value, str):
+            value = {"name": value}
+        node[keys[-1]] = copy.deepcopy(value)
+    return data
+
+
+def _stage_data(base: dict[str, tp.Any], stage: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    data = copy.deepcopy(base)
+    data.pop("stages", None)
+    data.pop("sweep", None)
+    data["name"] = f"{base.get('name')}.{stage.get('name')}"
+    for key in STAGE_MERGED:
+        if stage.get(key):
+            data[key] = {**(data.get(key) or {}), **stage[key]}
+    for key in ("strategy", "precision"):
+        if stage.get(key) is not None:
+            data[key] = stage[key]
+    return data
+
+
+def load_recipe(path: str | Path) -> RecipeFile:
+    """Read and validate a recipe file: the base, every stage and the sweep's shape."""
+    path = Path(path)
+    raw = read_yaml(path)
+    base_data = {k: v for k, v in raw.items() if k not in ("stages", "sweep")}
+    base = validate(Recipe, base_data, path)
+    stages: list[tuple[Stage, Recipe]] = []
+    raw_stages = raw.get("stages") or []
+    if not isinstance(raw_stages, list):
+        raise HpcrunError(f"must be a list of stages (got {type(raw_stages).__name__})", path, "stages")
+    names: set[str] = set()
+    for i, item in enumerate(raw_stages):
+        stage = validate(Stage, item, path, f"stages.{i}")
+        if stage.name in names:
+            raise HpcrunError(f"duplicate stage name {stage.name!r}", path, f"stages.{i}.name")
+        names.add(stage.name)
+        merged = _stage_data(base_data, item)
+        stages.append((stage, validate(Recipe, merged, path, f"stages.{i}")))
+    sweep = None
+    if raw.get("sweep") is not None:
+        sweep = validate(Sweep, raw["sweep"], path, "sweep")
+        if stages:
+            raise HpcrunError("a recipe has either stages or a sweep, not both", path, "sweep")
+    return RecipeFile(path=str(path), base=base, stages=stages, sweep=sweep, raw=base_data)
+

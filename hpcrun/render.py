@@ -1,0 +1,81 @@
+"""RunSpec -> the sbatch (or local) script. The text returned here is what is submitted."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import sys
+from pathlib import Path
+
+import jinja2
+
+from hpcrun import __version__
+from hpcrun.fields import format_minutes
+from hpcrun.plan import RunSpec
+from hpcrun.site import shipped_dirs
+
+
+def quote(value: object) -> str:
+    """The one quoting filter: every value from YAML that reaches the shell passes here."""
+    return shlex.quote(str(value))
+
+
+@functools.lru_cache(maxsize=8)
+def environment(extra_dir: str | None) -> jinja2.Environment:
+    dirs = ([extra_dir] if extra_dir else []) + [str(d) for d in shipped_dirs("templates")]
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(dirs),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["q"] = quote
+    return env
+
+
+def python_command(spec: RunSpec) -> str:
+    """How a task starts Python: the site's interpreter (e.g. inside a container) or the one
+    running hpcrun, which is what submitit does by default."""
+    return spec.site.environment.python or shlex.quote(sys.executable)
+
+
+def task_command(spec: RunSpec) -> str:
+    """submitit's own task entry point on the job's pickle folder (the same string submitit
+    builds in `_submitit_command_str`)."""
+    return " ".join([python_command(spec), "-u -m submitit.core._submit", shlex.quote(str(spec.log_folder))])
+
+
+def template_name(spec: RunSpec) -> tuple[str | None, str]:
+    """(extra search dir, template file) for the site: its own template or the shipped one."""
+    if spec.site.template:
+        path = Path(spec.site.template)
+        if not path.is_absolute():
+            path = Path(spec.site.source).parent / path
+        return str(path.parent), path.name
+    return None, "local.sh.j2" if spec.site.scheduler == "local" else "sbatch.sh.j2"
+
+
+def render(spec: RunSpec) -> str:
+    extra, name = template_name(spec)
+    template = environment(extra).get_template(name)
+    site = spec.site
+    part = site.partitions[spec.partition]
+    container = site.environment.container
+    return template.render(
+        version=__version__,
+        spec=spec,
+        site=site,
+        partition=part,
+        recipe=spec.recipe,
+        time=format_minutes(spec.time_min),
+        gpu_directive=part.gpu_directive(spec.gpus_per_node),
+        constraint=part.constraint,
+        env=spec.env,
+        container=container,
+        command=task_command(spec),
+        log_folder=str(spec.log_folder),
+        nvme_dir=spec.nvme_dir,
+        hostname=site.network.hostname,
+    )

@@ -1,0 +1,46 @@
+"""Sweep expansion: the matrix of a recipe's `sweep.axes`, less `exclude`, plus `include`."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import typing as tp
+
+from hpcrun.recipe import Sweep
+
+
+def _matches(point: dict[str, tp.Any], pattern: dict[str, tp.Any]) -> bool:
+    return all(key in point and _same(point[key], value) for key, value in pattern.items())
+
+
+def _same(a: tp.Any, b: tp.Any) -> bool:
+    # `strategy: ddp` and `strategy: {name: ddp}` name the same axis value
+    norm = lambda v: {"name": v} if isinstance(v, str) else v  # noqa: E731
+    return a == b or norm(a) == norm(b)
+
+
+def expand(sweep: Sweep) -> list[dict[str, tp.Any]]:
+    """Every point as `{dotted field: value}`, in axis order, without duplicates."""
+    keys = list(sweep.axes)
+    points = [dict(zip(keys, values)) for values in itertools.product(*(sweep.axes[k] for k in keys))]
+    points = [p for p in points if not any(_matches(p, ex) for ex in sweep.exclude)]
+    for extra in sweep.include:
+        if not any(_matches(p, extra) and _matches(extra, p) for p in points):
+            points.append(dict(extra))
+    return points
+
+
+def point_id(point: dict[str, tp.Any]) -> str:
+    """A short stable id for a point, the same in every invocation (the ledger's key)."""
+    blob = json.dumps(point, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def describe(point: dict[str, tp.Any]) -> str:
+    parts = []
+    for key, value in point.items():
+        if isinstance(value, dict):
+            value = ",".join(f"{k}={v}" for k, v in value.items())
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
