@@ -111,3 +111,7 @@ def validate(site_name: str | None, files: tuple[Path, ...]) -> None:
             click.echo(f"error {exc.message}", err=True)
     if failed:
         raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,9 @@ class HpcrunError(click.ClickException):
         self.file = str(file) if file is not None else None
         self.field = field
         prefix = ": ".join(p for p in (self.file, field) if p)
-        super().__init__(f"{prefix}: {message}" if prefix else message)
+        text = f"{prefix}: {message}" if prefix else message
+        # always one line: a newline from a hostile value could otherwise fake a second message
+        super().__init__(text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 class SubmissionError(HpcrunError):

@@ -66,12 +66,17 @@ def field_path(loc: tuple[tp.Any, ...], data: tp.Any) -> str:
     validator names are pydantic's bookkeeping, not keys in the user's file, so they are dropped."""
     parts: list[str] = []
     node = data
+    tag_seen: set[int] = set()
     for item in loc:
         if isinstance(node, dict):
+            # the tag comes first, right after the union's own key (job -> "entrypoint" -> entrypoint)
+            if id(node) not in tag_seen and item in (node.get("name"), node.get("kind")):
+                tag_seen.add(id(node))
+                continue
             if item in node:
                 parts.append(str(item))
                 node = node[item]
-            elif item in (node.get("name"), node.get("kind")) or (isinstance(item, str) and "[" in item):
+            elif isinstance(item, str) and "[" in item:
                 continue
             else:  # a missing key: reported under its own name
                 parts.append(str(item))
@@ -92,12 +97,17 @@ def describe(error: tp.Mapping[str, tp.Any], model: type[pydantic.BaseModel], fi
         return "unknown key" + (f" (valid keys: {', '.join(valid)})" if valid else "")
     if kind == "missing":
         return "required"
+    if kind == "union_tag_invalid":
+        ctx = error.get("ctx", {})
+        return f"must be one of {ctx.get('expected_tags')} (got {ctx.get('tag')!r})"
     message = str(error["msg"])
     message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
     message = message[0].lower() + message[1:] if message else message
-    if kind not in ("value_error", "assertion_error") and "input" in error:
-        message += f" (got {error['input']!r})"
-    return message
+    value = error.get("input")
+    if kind not in ("value_error", "assertion_error") and isinstance(value, (str, int, float, bool, type(None))):
+        message += f" (got {value!r})"
+    # one line, whatever the input held: a newline in an error could fake a second message
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _valid_keys(model: type[pydantic.BaseModel], parents: list[str]) -> list[str]:

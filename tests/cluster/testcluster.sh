@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# A real two-node SLURM cluster on this machine, for hpcrun's integration tests.
+#
+#   tests/cluster/testcluster.sh up       install (Debian packages) and start everything; idempotent
+#   tests/cluster/testcluster.sh status   daemons, nodes and partitions
+#   tests/cluster/testcluster.sh down     stop the daemons and remove the namespaces
+#
+# Layout: bridge hpcbr0 (10.77.0.1) on the host runs slurmctld, slurmdbd, MariaDB and munge;
+# network namespaces node1 (10.77.0.11) and node2 (10.77.0.12) each run one slurmd and reach
+# the others only through their interface `hpc0`, which sites/testcluster.yaml names.
+# Needs root. See shared notes/slurm-testbed.md for why each setting is here.
+set -euo pipefail
+
+CLUSTER=hpctest
+BRIDGE=hpcbr0
+NET=10.77.0
+IFACE=hpc0
+NODES=(node1 node2)
+ETC=/etc/slurm
+SHARED=/var/tmp/hpcrun-testcluster
+LOGS=/var/log/slurm
+
+log() { printf '[testcluster] %s\n' "$*" >&2; }
+
+install_packages() {
+  local missing=()
+  for bin in slurmctld slurmd slurmdbd sbatch munged mysqld_safe ip; do
+    command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
+  done
+  dpkg -s libaio-dev >/dev/null 2>&1 || missing+=(libaio-dev)
+  [ ${#missing[@]} -eq 0 ] && return
+  log "installing SLURM, munge, MariaDB (missing: ${missing[*]})"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq slurmctld slurmd slurm-client slurmdbd munge mariadb-server libaio-dev iproute2 >/dev/null
+}
+
+network_up() {
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip addr show dev "$BRIDGE" | grep -q "$NET.1/24" || ip addr add "$NET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  local i=11
+  for node in "${NODES[@]}"; do
+    if ! ip netns list | grep -qw "$node"; then
+      ip netns add "$node"
+      ip link add "veth-$node" type veth peer name "tmp-$node"
+      ip link set "tmp-$node" netns "$node"
+      ip netns exec "$node" ip link set "tmp-$node" name "$IFACE"
+      ip netns exec "$node" ip addr add "$NET.$i/24" dev "$IFACE"
+      ip netns exec "$node" ip link set "$IFACE" up
+      ip netns exec "$node" ip link set lo up
+      ip link set "veth-$node" master "$BRIDGE"
+      ip link set "veth-$node" up
+    fi
+    grep -q "^$NET.$i $node\$" /etc/hosts || echo "$NET.$i $node" >>/etc/hosts
+    i=$((i + 1))
+  done
+}
+
+write_config() {
+  mkdir -p "$ETC" "$LOGS" /var/spool/slurmctld /run/slurm "$SHARED"/{runs,results,nvme}
+  chmod 1777 "$SHARED" "$SHARED"/{runs,results,nvme}
+  local host; host=$(hostname -s)
+  cat >"$ETC/slurm.conf" <<CONF
+ClusterName=$CLUSTER
+SlurmctldHost=$host($NET.1)
+SlurmUser=root
+AuthType=auth/munge
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd/%n
+SlurmctldPidFile=/run/slurm/slurmctld.pid
+SlurmdPidFile=/run/slurm/slurmd-%n.pid
+SlurmctldLogFile=$LOGS/slurmctld.log
+SlurmdLogFile=$LOGS/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+SchedulerType=sched/backfill
+MpiDefault=none
+JobRequeue=1
+KillWait=20
+MinJobAge=600
+InactiveLimit=0
+MaxArraySize=1001
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
+NodeName=node1 NodeAddr=$NET.11 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=node2 NodeAddr=$NET.12 CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName=batch Nodes=node1,node2 Default=YES MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+PartitionName=urgent Nodes=node1,node2 MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF
+CONF
+  cat >"$ETC/cgroup.conf" <<CONF
+CgroupPlugin=cgroup/v1
+CgroupAutomount=no
+CONF
+  cat >"$ETC/slurmdbd.conf" <<CONF
+AuthType=auth/munge
+DbdHost=localhost
+SlurmUser=root
+LogFile=$LOGS/slurmdbd.log
+PidFile=/run/slurm/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=slurmtest
+StorageLoc=slurm_acct_db
+CONF
+  chmod 600 "$ETC/slurmdbd.conf"
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+  local limit=$1 what=$2; shift 2
+  for _ in $(seq "$limit"); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 1
+  done
+  log "timed out waiting for $what"; return 1
+}
+
+start_munge() {
+  pgrep -x munged >/dev/null && return
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  [ -s /etc/munge/munge.key ] || { dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null; chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key; }
+  runuser -u munge -- /usr/sbin/munged
+  wait_for 20 munge munge -n
+}
+
+start_mariadb() {
+  if ! pgrep -f mysqld_safe >/dev/null; then
+    mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
+    (mysqld_safe >/dev/null 2>&1 &)
+  fi
+  wait_for 60 MariaDB mysqladmin ping
+  mysql -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+            CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmtest';
+            GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
+}
+
+start_slurm() {
+  if ! pgrep -x slurmdbd >/dev/null; then slurmdbd; fi
+  wait_for 60 slurmdbd sacctmgr -n list cluster
+  sacctmgr -n list cluster format=cluster | grep -qw "$CLUSTER" || sacctmgr -i add cluster "$CLUSTER" >/dev/null
+  if ! pgrep -x slurmctld >/dev/null; then slurmctld; fi
+  wait_for 60 slurmctld scontrol ping
+  for node in "${NODES[@]}"; do
+    if ! pgrep -f "slurmd -N $node" >/dev/null; then
+      mkdir -p "/var/spool/slurmd/$node"
+      ip netns exec "$node" slurmd -N "$node"
+    fi
+  done
+  # nodes that were down from an earlier run come back once their slurmd answers
+  scontrol update nodename=node1,node2 state=resume >/dev/null 2>&1 || true
+  wait_for 90 "both nodes idle" nodes_idle
+}
+
+nodes_idle() {
+  [ "$(sinfo -h -p batch -N -o '%N %t' | grep -c ' idle$')" -eq 2 ]
+}
+
+status() {
+  for d in munged mysqld slurmdbd slurmctld; do
+    printf '%-10s %s\n' "$d" "$(pgrep -x "$d" >/dev/null && echo running || echo stopped)"
+  done
+  for node in "${NODES[@]}"; do
+    printf '%-10s %s\n' "slurmd/$node" "$(pgrep -f "slurmd -N $node" >/dev/null && echo running || echo stopped)"
+  done
+  sinfo -N -o '%N %P %t %c' 2>/dev/null || true
+}
+
+up() {
+  if scontrol ping >/dev/null 2>&1 && nodes_idle 2>/dev/null; then
+    log "already up"; status; return
+  fi
+  install_packages
+  network_up
+  write_config
+  start_munge
+  start_mariadb
+  start_slurm
+  log "up: $(sinfo -h -N -o '%N:%t' | tr '\n' ' ')"
+}
+
+down() {
+  scancel --state=all -u root >/dev/null 2>&1 || true
+  pkill -x slurmd || true
+  pkill -x slurmctld || true
+  pkill -x slurmdbd || true
+  sleep 1
+  for node in "${NODES[@]}"; do
+    ip netns del "$node" 2>/dev/null || true
+    ip link del "veth-$node" 2>/dev/null || true
+  done
+  ip link del "$BRIDGE" 2>/dev/null || true
+  log "down (munge and MariaDB left running; they are harmless and slow to restart)"
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  status) status ;;
+  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+esac

@@ -1,0 +1,44 @@
+"""Shared fixtures: the repo root on the site search path, and a hostile temp directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests run from the repo root so `sites/` is found, with no user site dirs leaking in."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("HPCRUN_SITES", raising=False)
+
+
+def cluster_up() -> str | None:
+    """None when the real test cluster answers, else why not (shown as the skip reason)."""
+    if shutil.which("sbatch") is None:
+        return "sbatch not installed (run tests/cluster/testcluster.sh up)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-p", "batch", "-o", "%t %D"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo failed: {exc}"
+    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout and "alloc" not in out.stdout:
+        return f"test cluster not up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run tests/cluster/testcluster.sh up"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = cluster_up()
+    if reason is None:
+        return
+    if os.environ.get("HPCRUN_REQUIRE_CLUSTER"):
+        raise pytest.UsageError(f"HPCRUN_REQUIRE_CLUSTER is set but {reason}")
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "cluster" in item.keywords:
+            item.add_marker(skip)

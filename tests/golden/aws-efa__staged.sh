@@ -1,0 +1,39 @@
+#!/bin/bash
+# Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden.warmup, recipe staged.warmup, site aws-efa.
+# This file is exactly what was submitted with sbatch.
+#SBATCH --job-name=staged.warmup
+#SBATCH --partition=p5
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --gpus-per-node=2
+#SBATCH --time=00:10:00
+#SBATCH --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_0_log.out
+#SBATCH --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_0_log.err
+#SBATCH --signal=USR2@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+
+set -eo pipefail
+
+# Setup lines from the site profile (site-owned shell, one command per line).
+source /fsx/envs/torch/bin/activate
+
+# Interconnect (efa on enp71s0) and recipe environment.
+export FI_EFA_USE_DEVICE_RDMA=1
+export FI_PROVIDER=efa
+export GLOO_SOCKET_IFNAME=enp71s0
+export NCCL_PROTO=simple
+export NCCL_SOCKET_IFNAME=enp71s0
+export HPCRUN_RUN_DIR=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
+export HPCRUN_RUN_ID=20260101-000000-0000-golden.warmup
+
+# Rendezvous on the first node, spelled as its high-speed hostname.
+first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR="$first_node"
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+# One task per rank; submitit's entry point runs the pickled hpcrun task.
+srun --unbuffered --kill-on-bad-exit=1 \
+  --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
+  --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
+  python -u -m submitit.core._submit /fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs

@@ -1,0 +1,45 @@
+#!/bin/bash
+# Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden, recipe quickstart, site mycluster.
+# This file is exactly what was submitted with sbatch.
+#SBATCH --job-name=quickstart
+#SBATCH --partition=gpu
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --gres=gpu:2
+#SBATCH --time=00:10:00
+#SBATCH --account=proj-ml
+#SBATCH --qos=normal
+#SBATCH --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_0_log.out
+#SBATCH --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_0_log.err
+#SBATCH --signal=USR2@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --exclusive
+
+set -eo pipefail
+
+# Modules from the site profile.
+module load cuda/12.4
+module load nccl/2.21
+
+# Setup lines from the site profile (site-owned shell, one command per line).
+source /opt/venvs/torch/bin/activate
+
+# Interconnect (infiniband on ib0) and recipe environment.
+export GLOO_SOCKET_IFNAME=ib0
+export NCCL_DEBUG=WARN
+export NCCL_IB_DISABLE=0
+export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7
+export NCCL_SOCKET_IFNAME=ib0
+export HPCRUN_RUN_DIR=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden
+export HPCRUN_RUN_ID=20260101-000000-0000-golden
+
+# Rendezvous on the first node, spelled as its high-speed hostname.
+first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR="$first_node"-ib
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+# One task per rank; submitit's entry point runs the pickled hpcrun task.
+srun --unbuffered --kill-on-bad-exit=1 \
+  --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
+  python -u -m submitit.core._submit /scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs

@@ -1,0 +1,34 @@
+#!/bin/bash
+# Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden, recipe quickstart, site testcluster.
+# This file is exactly what was submitted with sbatch.
+#SBATCH --job-name=quickstart
+#SBATCH --partition=batch
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --time=00:10:00
+#SBATCH --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_0_log.out
+#SBATCH --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_0_log.err
+#SBATCH --signal=USR2@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
+
+set -eo pipefail
+
+# Interconnect (ethernet on hpc0) and recipe environment.
+export GLOO_SOCKET_IFNAME=hpc0
+export NCCL_IB_DISABLE=1
+export NCCL_NSOCKS_PERTHREAD=4
+export NCCL_SOCKET_IFNAME=hpc0
+export NCCL_SOCKET_NTHREADS=2
+export HPCRUN_RUN_DIR=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden
+export HPCRUN_RUN_ID=20260101-000000-0000-golden
+
+# Rendezvous on the first node, spelled as its high-speed hostname.
+first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR="$first_node"
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+# One task per rank; submitit's entry point runs the pickled hpcrun task.
+srun --unbuffered --kill-on-bad-exit=1 \
+  --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
+  /usr/bin/python3 -u -m submitit.core._submit /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs
