@@ -113,5 +113,173 @@ def validate(site_name: str | None, files: tuple[Path, ...]) -> None:
         raise SystemExit(2)
 
 
+def _run_dirs(site_name: str, target: str | None) -> list[Path]:
+    """RUN as a path, or an id (or id prefix, e.g. a sweep id) under the site's runs directory."""
+    from hpcrun.site import load_site
+
+    if target and Path(target).is_dir():
+        return [Path(target)]
+    root = Path(load_site(site_name).storage.runs_dir)
+    runs = sorted(p for p in root.glob("*") if (p / "runspec.json").exists()) if root.is_dir() else []
+    if target:
+        runs = [p for p in runs if p.name == target or p.name.startswith(target)]
+        if not runs:
+            raise HpcrunError(f"no run {target!r} under {root}", field="RUN")
+    return runs
+
+
+@main.command()
+@site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Write the run directory and script; do not call sbatch.")
+@click.option("--wait", is_flag=True, help="Follow the job to its end; exit non-zero if it failed.")
+@click.option("--run-id", default=None, help="Use this run id (re-using an unfinished run's id continues it).")
+def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str | None) -> None:
+    """Submit RECIPE to a site (stages in order, with dependencies)."""
+    from hpcrun import backend
+    from hpcrun.plan import new_run_id, runs_of
+    from hpcrun.recipe import load_recipe
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    specs = runs_of(site, recipe_file, run_id or new_run_id(recipe_file.base.name))
+    previous: str | None = None
+    submitted = []
+    for spec in specs:
+        run_dir = backend.prepare(spec)
+        if dry_run:
+            click.echo(f"dry run: {run_dir / backend.SCRIPT_FILE}")
+            continue
+        dependency = f"{spec.recipe.name and _dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None
+        job_id = backend.submit(spec, dependency)
+        previous = job_id
+        submitted.append(run_dir)
+        click.echo(f"submitted {spec.run_id} as job {job_id} ({site.name})\n  run dir: {run_dir}")
+    if submitted and not dry_run:
+        click.echo(f"  follow:  hpcrun status --site {site.name} {submitted[-1].name}; hpcrun logs --site {site.name} {submitted[-1].name} --follow")
+    if wait and submitted:
+        _wait(submitted)
+
+
+def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
+    return next(stage.dependency for stage, _ in recipe_file.stages if stage.name == spec.stage)
+
+
+def _wait(run_dirs: list[Path]) -> None:
+    import time as _time
+
+    from hpcrun.status import statuses
+
+    shown = ""
+    try:
+        while True:
+            current = statuses(run_dirs)
+            line = "  ".join(f"{s.run_id}: {s.state}" + (f" (restarts {s.restarts})" if s.restarts else "") for s in current)
+            if line != shown:
+                click.echo(f"\r{line}", nl=False, err=True)
+                shown = line
+            if current and all(s.done for s in current):
+                click.echo("", err=True)
+                break
+            _time.sleep(2)
+    except KeyboardInterrupt:
+        click.echo(f"\nleft the job running; reattach with: hpcrun status {run_dirs[-1]}", err=True)
+        raise SystemExit(130)
+    _print_results(run_dirs)
+    if any(s.state != "COMPLETED" for s in current):
+        raise SystemExit(1)
+
+
+def _print_results(run_dirs: list[Path]) -> None:
+    from hpcrun.backend import load_spec
+    from hpcrun.results import load
+
+    for run_dir in run_dirs:
+        spec = load_spec(run_dir)
+        df = load(spec.site.results_dir, run_id=spec.run_id)
+        if len(df):
+            last = df.sort_values("end_time").iloc[-1]
+            click.echo(
+                f"{spec.run_id}: {last['status']}, {last['strategy']}, world {last['world_size']}, "
+                f"final loss {last['final_loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s, "
+                f"step p50 {last['step_time_p50_s'] * 1000:.1f} ms, peak mem {last['peak_memory_bytes'] / 2**20:.0f} MiB"
+            )
+
+
+@main.command()
+@site_option
+@click.argument("run")
+@click.option("--wait", is_flag=True)
+def resume(site_name: str, run: str, wait: bool) -> None:
+    """Submit RUN again; it continues from its newest complete checkpoint."""
+    from hpcrun import backend
+
+    (run_dir,) = _run_dirs(site_name, run)[:1]
+    job_id = backend.submit(backend.load_spec(run_dir))
+    click.echo(f"resubmitted {run_dir.name} as job {job_id}")
+    if wait:
+        _wait([run_dir])
+
+
+@main.command()
+@site_option
+@click.argument("run", required=False)
+def status(site_name: str, run: str | None) -> None:
+    """State, nodes, elapsed time and restarts of runs (one scheduler query for all)."""
+    from hpcrun.status import statuses
+
+    rows = statuses(_run_dirs(site_name, run))
+    if not rows:
+        click.echo("no runs")
+        return
+    sources = sorted({r.source for r in rows})
+    click.echo(f"{'RUN':48} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8}  REASON")
+    for r in rows:
+        elapsed = "" if r.elapsed_s is None else f"{r.elapsed_s // 60}:{r.elapsed_s % 60:02d}"
+        click.echo(f"{r.run_id:48} {r.job_id:>10} {r.state:12} {r.nodes:12} {elapsed:>8} {r.restarts:>8}  {r.reason}")
+    click.echo(f"(from {', '.join(sources)})", err=True)
+
+
+@main.command()
+@site_option
+@click.argument("run")
+@click.option("--rank", default=0, show_default=True)
+@click.option("--follow", is_flag=True, help="Keep printing until the job ends.")
+def logs(site_name: str, run: str, rank: int, follow: bool) -> None:
+    """Print a rank's log of RUN's latest job."""
+    import time as _time
+
+    from hpcrun.status import log_path, statuses
+
+    (run_dir,) = _run_dirs(site_name, run)[:1]
+    path = log_path(run_dir, rank)
+    offset = 0
+    while True:
+        if path.exists():
+            with path.open() as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset = f.tell()
+            click.echo(chunk, nl=False)
+        if not follow or statuses([run_dir])[0].done:
+            break
+        _time.sleep(1)
+    err = log_path(run_dir, rank, stream="err")
+    if not follow and err.exists() and err.stat().st_size:
+        click.echo(f"--- {err.name} ---\n{err.read_text()}", nl=False)
+
+
+@main.command()
+@site_option
+@click.argument("run")
+def cancel(site_name: str, run: str) -> None:
+    """Cancel RUN (or every run of a sweep id)."""
+    from hpcrun.status import cancel as cancel_run
+
+    for run_dir in _run_dirs(site_name, run):
+        click.echo(f"cancelled {run_dir.name} (job {cancel_run(run_dir)})")
+
+
 if __name__ == "__main__":
     main()

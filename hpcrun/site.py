@@ -260,7 +260,8 @@ def _expand_paths(data: dict[str, tp.Any]) -> dict[str, tp.Any]:
     variables = {"USER": getpass.getuser(), **os.environ}
 
     def expand(value: str) -> str:
-        return string.Template(os.path.expanduser(value)).safe_substitute(variables)
+        # absolute, because submitit and sbatch resolve relative paths against other directories
+        return os.path.abspath(string.Template(os.path.expanduser(value)).safe_substitute(variables))
 
     storage = dict(storage)
     for key in ("runs_dir", "results_dir"):

@@ -1,0 +1,120 @@
+"""The submitit seam: executors whose submitted script is the rendered template, and the
+scheduler queries behind `status`, `logs` and `cancel`. The only module with side effects on
+the cluster."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+import typing as tp
+from pathlib import Path
+
+import submitit
+from submitit.core.utils import FailedJobError
+
+from hpcrun.errors import HpcrunError, SubmissionError
+from hpcrun.plan import RunSpec
+from hpcrun.render import python_command, render, task_command
+from hpcrun.task import run as task_run
+
+SPEC_FILE = "runspec.json"
+SCRIPT_FILE = "script.sh"
+JOBS_FILE = "jobs.json"
+STATE_FILE = "state.json"
+
+
+class RenderedSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SLURM executor, except that the sbatch file is hpcrun's rendered template
+    (its documented `_make_submission_file_text` hook), so `render` output is what runs."""
+
+    def __init__(self, spec: RunSpec, script: str, dependency: str | None = None) -> None:
+        super().__init__(folder=spec.log_folder, python=python_command(spec))
+        self.script = script
+        self.dependency = dependency
+        # only what submitit itself reads back: the task count and the timeout bookkeeping
+        self.update_parameters(nodes=spec.nodes, ntasks_per_node=spec.ranks_per_node, time=spec.time_min)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        if command != self._submitit_command_str:  # the template's launch line must be submitit's
+            raise RuntimeError(f"submitit command {command!r} differs from the rendered one")
+        return self.script
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        deps = [f"--dependency={self.dependency}"] if self.dependency else []
+        return ["sbatch", "--parsable", *deps, str(submission_file_path)]
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string: bytes | str) -> str:
+        text = string.decode() if isinstance(string, bytes) else string
+        return text.strip().splitlines()[-1].split(";")[0]
+
+
+class RenderedLocalExecutor(submitit.LocalExecutor):
+    """submitit's local executor running the rendered local script once per rank."""
+
+    def __init__(self, spec: RunSpec, script_path: Path) -> None:
+        super().__init__(folder=spec.log_folder, python=python_command(spec))
+        self.script_path = script_path
+        self.update_parameters(tasks_per_node=spec.ranks_per_node, timeout_min=spec.time_min, signal_delay_s=spec.signal_lead_s)
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return f"bash {shlex.quote(str(self.script_path))}"
+
+
+def prepare(spec: RunSpec) -> Path:
+    """Write the run directory: the resolved RunSpec and the script. Returns its path."""
+    run_dir = Path(spec.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / SPEC_FILE).write_text(spec.model_dump_json(indent=1))
+    (run_dir / SCRIPT_FILE).write_text(render(spec))
+    return run_dir
+
+
+def submit(spec: RunSpec, dependency: str | None = None) -> str:
+    """Submit a prepared run; returns the job id. A refused submission leaves no run directory
+    that looks live: it is removed, and the scheduler's own message is raised."""
+    run_dir = Path(spec.run_dir)
+    fresh = not (run_dir / JOBS_FILE).exists()
+    script = (run_dir / SCRIPT_FILE).read_text()
+    try:
+        if spec.site.scheduler == "local":
+            executor: submitit.Executor = RenderedLocalExecutor(spec, run_dir / SCRIPT_FILE)
+        else:
+            if shutil.which("sbatch") is None:
+                raise SubmissionError(f"sbatch is not on PATH: site {spec.site.name!r} needs a SLURM login node")
+            executor = RenderedSlurmExecutor(spec, script, dependency)
+        job = executor.submit(task_run, str(run_dir / SPEC_FILE))
+    except (FailedJobError, subprocess.CalledProcessError, RuntimeError) as exc:
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        message = str(exc).strip().splitlines()
+        refusal = next((line for line in message if "sbatch: error" in line or "error:" in line.lower()), message[-1] if message else "")
+        raise SubmissionError(f"submission refused: {refusal.strip()}") from exc
+    record_job(run_dir, str(job.job_id), spec.site.scheduler)
+    return str(job.job_id)
+
+
+def record_job(run_dir: Path, job_id: str, scheduler: str) -> None:
+    jobs = read_jobs(run_dir)
+    jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time()})
+    tmp = run_dir / f".{JOBS_FILE}.tmp"
+    tmp.write_text(json.dumps(jobs, indent=1))
+    tmp.replace(run_dir / JOBS_FILE)
+
+
+def read_jobs(run_dir: Path) -> list[dict[str, tp.Any]]:
+    try:
+        return list(json.loads((run_dir / JOBS_FILE).read_text()))
+    except (OSError, ValueError):
+        return []
+
+
+def load_spec(run_dir: Path) -> RunSpec:
+    try:
+        return RunSpec.model_validate_json((run_dir / SPEC_FILE).read_text())
+    except OSError as exc:
+        raise HpcrunError("not a run directory (no runspec.json)", run_dir) from exc

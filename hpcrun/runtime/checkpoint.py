@@ -1,0 +1,149 @@
+"""Checkpoint directories: `<run>/checkpoints/step-NNNNNNNN/`, visible only when complete.
+
+Every rank writes into `.tmp-step-NNNNNNNN/`; after a barrier rank 0 writes `manifest.json`
+last and renames the directory into place, so a reader sees a whole checkpoint or none.
+Leftovers of a killed save are removed before the next save and never picked on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import typing as tp
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrun import __version__
+from hpcrun.runtime.env import DistEnv
+
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def complete(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first: named `step-N` with a readable manifest."""
+    found = []
+    if root.is_dir():
+        for path in root.glob("step-*"):
+            try:
+                manifest = json.loads((path / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if manifest.get("complete") and path.name == step_dir(root, int(manifest["step"])).name:
+                found.append((int(manifest["step"]), path))
+    return sorted(found)
+
+
+def latest(root: Path) -> tuple[int, Path] | None:
+    found = complete(root)
+    return found[-1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, tp.Any]:
+    state: dict[str, tp.Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, tp.Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpoints:
+    """Save and find checkpoints of one run; collective: every rank calls `save` and `load`."""
+
+    def __init__(self, root: Path, env: DistEnv, keep: int, strategy: str) -> None:
+        self.root, self.env, self.keep, self.strategy = root, env, keep, strategy
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> float:
+        """Write a checkpoint of `step`; returns the seconds training was stalled."""
+        start = time.perf_counter()
+        final = step_dir(self.root, step)
+        tmp = self.root / f".tmp-{final.name}"
+        if self.env.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed save of the same step
+            tmp.mkdir()
+        self._barrier()
+        engine.save(tmp / "state")
+        buffer = _serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
+        _write_file(tmp / f"trainer-rank{self.env.rank:05d}.pt", buffer)
+        self._barrier()
+        if self.env.is_main:
+            manifest = {
+                "step": step,
+                "complete": True,
+                "world_size": self.env.world_size,
+                "strategy": self.strategy,
+                "hpcrun": __version__,
+                "created": time.time(),
+            }
+            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            if final.exists():  # the same step saved before a requeue: keep the old, equal one
+                shutil.rmtree(tmp)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        self._barrier()
+        return time.perf_counter() - start
+
+    def _prune(self) -> None:
+        for _, path in complete(self.root)[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+        for leftover in self.root.glob(".tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def load(self, engine: tp.Any, path: Path) -> dict[str, tp.Any]:
+        """Restore `engine` and this rank's RNG from `path`; returns the trainer state. At another
+        world size (resharding) the RNG of rank 0 is not forced on other ranks: only the model,
+        optimizer and step carry over."""
+        engine.load(path / "state")
+        mine = path / f"trainer-rank{self.env.rank:05d}.pt"
+        manifest = json.loads((path / MANIFEST).read_text())
+        same_world = manifest["world_size"] == self.env.world_size
+        state = torch.load(mine if same_world else path / "trainer-rank00000.pt", weights_only=False)
+        if same_world:
+            set_rng_state(state["rng"])
+        return state
+
+
+def _serialise(obj: tp.Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

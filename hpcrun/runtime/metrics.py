@@ -1,0 +1,58 @@
+"""Per-run measurements: step times, throughput, memory, FLOPs and MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import sys
+import typing as tp
+
+import torch
+
+
+@dataclasses.dataclass
+class Measurements:
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+    checkpoint_saves: list[float] = dataclasses.field(default_factory=list)
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak on GPU; the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarise(
+    m: Measurements, warmup: int, tokens_per_step: int, samples_per_step: int, world: int,
+    flops_per_token: int | None, peak_tflops: float | None,
+) -> dict[str, tp.Any]:
+    timed = m.step_times[warmup:] if len(m.step_times) > warmup else m.step_times
+    mean = statistics.fmean(timed) if timed else None
+    row: dict[str, tp.Any] = {
+        "steps_timed": len(timed),
+        "step_time_p50_s": percentile(timed, 50),
+        "step_time_p95_s": percentile(timed, 95),
+        "tokens_per_s": tokens_per_step / mean if mean else None,
+        "samples_per_s": samples_per_step / mean if mean else None,
+    }
+    row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / world if row["tokens_per_s"] else None
+    tflops = (row["tokens_per_s_per_gpu"] * flops_per_token / 1e12) if flops_per_token and row["tokens_per_s_per_gpu"] else None
+    row["tflops_per_gpu"] = tflops
+    row["mfu"] = tflops / peak_tflops if tflops is not None and peak_tflops else None
+    row["final_loss"] = m.losses[-1] if m.losses else None
+    row["checkpoint_saves"] = len(m.checkpoint_saves)
+    row["checkpoint_save_s"] = statistics.fmean(m.checkpoint_saves) if m.checkpoint_saves else None
+    row["checkpoint_stall_s"] = sum(m.checkpoint_saves)
+    return row

@@ -1,0 +1,82 @@
+"""The built-in GPT-style decoder and its synthetic, learnable token stream."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hpcrun.sizes import GPTSize
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then a 4x MLP."""
+
+    def __init__(self, size: GPTSize) -> None:
+        super().__init__()
+        self.heads = size.heads
+        self.ln1 = nn.LayerNorm(size.hidden)
+        self.qkv = nn.Linear(size.hidden, 3 * size.hidden)
+        self.proj = nn.Linear(size.hidden, size.hidden)
+        self.ln2 = nn.LayerNorm(size.hidden)
+        self.fc = nn.Linear(size.hidden, 4 * size.hidden)
+        self.out = nn.Linear(4 * size.hidden, size.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, size: GPTSize, seq_len: int, activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.size = size
+        self.activation_checkpointing = activation_checkpointing
+        self.tok = nn.Embedding(size.vocab, size.hidden)
+        self.pos = nn.Embedding(seq_len, size.hidden)
+        self.blocks = nn.ModuleList(Block(size) for _ in range(size.layers))
+        self.ln = nn.LayerNorm(size.hidden)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; also what meta-device initialisation calls after `to_empty`."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.size.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
+        logits = self.ln(x) @ self.tok.weight.T  # tied embeddings
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(
+    seed: int, step: int, first_sample: int, count: int, seq_len: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples `first_sample .. first_sample+count` of `step`: a deterministic function of
+    (seed, step, sample index) alone, so any world size sees the same global batch and a
+    resumed run sees the same data. Each sample is an arithmetic progression mod `vocab` with
+    a random start and stride: learnable, so the loss really falls."""
+    rows = []
+    for i in range(first_sample, first_sample + count):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + i)
+        start = torch.randint(0, vocab, (1,), generator=g)
+        stride = torch.randint(1, 8, (1,), generator=g)
+        rows.append((start + stride * torch.arange(seq_len + 1)) % vocab)
+    data = torch.stack(rows)
+    return data[:, :-1], data[:, 1:]

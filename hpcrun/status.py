@@ -1,0 +1,178 @@
+"""Where runs stand: one batched `sacct` for every SLURM job asked about; `squeue` plus the
+run directories' markers where accounting is disabled; process liveness for local runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import typing as tp
+from pathlib import Path
+
+from hpcrun.backend import STATE_FILE, read_jobs
+from hpcrun.errors import HpcrunError
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "STOPPED"}
+
+
+@dataclasses.dataclass
+class RunStatus:
+    run_id: str
+    job_id: str
+    state: str
+    nodes: str = ""
+    elapsed_s: int | None = None
+    restarts: int = 0
+    reason: str = ""
+    source: str = "sacct"
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL or self.state in ("STOPPED", "REQUEUE_CAP")
+
+
+@dataclasses.dataclass
+class SchedulerRow:
+    state: str
+    nodes: str
+    elapsed_s: int | None
+    reason: str
+    records: int = 1
+
+
+def sacct(job_ids: list[str]) -> dict[str, SchedulerRow] | None:
+    """One `sacct` call for all `job_ids` (with -D, each requeue is a record: the restart count).
+    None when accounting is disabled."""
+    if not job_ids:
+        return {}
+    out = _run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
+    if out.returncode != 0:
+        if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
+            return None
+        raise HpcrunError(f"sacct failed: {out.stderr.strip() or out.stdout.strip()}")
+    return parse_sacct(out.stdout)
+
+
+def parse_sacct(text: str) -> dict[str, SchedulerRow]:
+    rows: dict[str, SchedulerRow] = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 5:
+            continue
+        job, state, nodes, elapsed, reason = parts[:5]
+        state = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
+        previous = rows.get(job)
+        rows[job] = SchedulerRow(state, nodes, int(elapsed) if elapsed.isdigit() else None, reason, (previous.records + 1) if previous else 1)
+    return rows
+
+
+def squeue(job_ids: list[str]) -> dict[str, SchedulerRow]:
+    if not job_ids:
+        return {}
+    out = _run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M|%r"])
+    rows = {}
+    for line in out.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 5:
+            rows[parts[0]] = SchedulerRow(parts[1], parts[2], _elapsed(parts[3]), parts[4])
+    return rows
+
+
+def _elapsed(text: str) -> int | None:
+    try:
+        days, _, rest = text.rpartition("-")
+        nums = [int(x) for x in rest.split(":")]
+        while len(nums) < 3:
+            nums.insert(0, 0)
+        return int(days or 0) * 86400 + nums[0] * 3600 + nums[1] * 60 + nums[2]
+    except ValueError:
+        return None
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as exc:
+        raise HpcrunError(f"{cmd[0]} is not on PATH: status of SLURM runs needs a SLURM login node") from exc
+
+
+def marker(run_dir: Path) -> dict[str, tp.Any]:
+    """The runtime's own last word on the run (written by rank 0 at the end of each attempt)."""
+    try:
+        return dict(json.loads((run_dir / STATE_FILE).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _alive(pid: str) -> bool:
+    """Whether a local job's controller still runs. When this process started it (submit
+    --wait), a finished controller is a zombie until reaped, and kill(pid, 0) still succeeds."""
+    try:
+        number = int(pid)
+        try:
+            if os.waitpid(number, os.WNOHANG)[0] == number:
+                return False
+        except ChildProcessError:
+            pass
+        os.kill(number, 0)
+    except (OSError, ValueError):
+        return False
+    try:
+        return Path(f"/proc/{number}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def statuses(run_dirs: list[Path]) -> list[RunStatus]:
+    """The status of each run (its latest job), with one scheduler query for all of them."""
+    latest = {d: read_jobs(d)[-1] for d in run_dirs if read_jobs(d)}
+    slurm_ids = [j["job_id"] for j in latest.values() if j["scheduler"] == "slurm"]
+    rows = sacct(slurm_ids)
+    source = "sacct"
+    if rows is None:
+        rows, source = squeue(slurm_ids), "squeue+markers (accounting disabled)"
+    result = []
+    for run_dir, job in latest.items():
+        mark = marker(run_dir)
+        own = mark if mark.get("job_id") == job["job_id"] else {}
+        if job["scheduler"] == "local":
+            state = "RUNNING" if _alive(job["job_id"]) else _from_marker(own)
+            result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), own.get("reason") or "", "local"))
+            continue
+        row = rows.get(job["job_id"])
+        if row is None:
+            state = _from_marker(own) if own else ("UNKNOWN" if source == "sacct" else "LEFT_QUEUE")
+            result.append(RunStatus(run_dir.name, job["job_id"], state, "", None, int(own.get("restart_count", 0)), own.get("reason") or "", source))
+            continue
+        state = row.state
+        if state == "COMPLETED" and own.get("status") in ("failed", "requeued"):
+            state = "REQUEUE_CAP" if "cap" in (own.get("reason") or "") else state
+        reason = own.get("reason") or ("" if row.reason in ("None", "") else row.reason)
+        result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, reason, source))
+    return result
+
+
+def _from_marker(mark: dict[str, tp.Any]) -> str:
+    return {"completed": "COMPLETED", "failed": "FAILED", "stopped": "STOPPED", "requeued": "REQUEUED"}.get(mark.get("status", ""), "FAILED")
+
+
+def cancel(run_dir: Path) -> str:
+    jobs = read_jobs(run_dir)
+    if not jobs:
+        raise HpcrunError("no job was submitted for this run", run_dir)
+    job = jobs[-1]
+    if job["scheduler"] == "local":
+        if _alive(job["job_id"]):
+            os.kill(int(job["job_id"]), signal.SIGTERM)  # the controller forwards it; ranks save and stop
+        return job["job_id"]
+    out = _run(["scancel", job["job_id"]])
+    if out.returncode != 0:
+        raise HpcrunError(f"scancel failed: {out.stderr.strip()}")
+    return job["job_id"]
+
+
+def log_path(run_dir: Path, rank: int, job_id: str | None = None, stream: str = "out") -> Path:
+    job_id = job_id or read_jobs(run_dir)[-1]["job_id"]
+    return run_dir / "logs" / f"{job_id}_{rank}_log.{stream}"
