@@ -4,6 +4,8 @@ the cluster."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shlex
 import shutil
@@ -87,7 +89,9 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
             if shutil.which("sbatch") is None:
                 raise SubmissionError(f"sbatch is not on PATH: site {spec.site.name!r} needs a SLURM login node")
             executor = RenderedSlurmExecutor(spec, script, dependency)
-        job = executor.submit(task_run, str(run_dir / SPEC_FILE))
+        # submitit echoes sbatch's stderr; the refusal is reported once, below
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(task_run, str(run_dir / SPEC_FILE))
     except (FailedJobError, subprocess.CalledProcessError, RuntimeError) as exc:
         if fresh:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -192,19 +192,29 @@ def _wait(run_dirs: list[Path]) -> None:
 
 
 def _print_results(run_dirs: list[Path]) -> None:
+    import pandas as pd
+
     from hpcrun.backend import load_spec
     from hpcrun.results import load
 
     for run_dir in run_dirs:
         spec = load_spec(run_dir)
         df = load(spec.site.results_dir, run_id=spec.run_id)
-        if len(df):
-            last = df.sort_values("end_time").iloc[-1]
-            click.echo(
-                f"{spec.run_id}: {last['status']}, {last['strategy']}, world {last['world_size']}, "
-                f"final loss {last['final_loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s, "
-                f"step p50 {last['step_time_p50_s'] * 1000:.1f} ms, peak mem {last['peak_memory_bytes'] / 2**20:.0f} MiB"
-            )
+        if not len(df):
+            continue
+        last = df.sort_values("end_time").iloc[-1]
+        if last["status"] != "completed":
+            click.echo(f"{spec.run_id}: {last['status']}: {last['reason']}")
+            continue
+        shown = [
+            ("world {}", last["world_size"]),
+            ("final loss {:.4f}", last["final_loss"]),
+            ("{:.0f} tokens/s", last["tokens_per_s"]),
+            ("step p50 {:.1f} ms", last["step_time_p50_s"] * 1000 if not pd.isna(last["step_time_p50_s"]) else None),
+            ("peak mem {:.0f} MiB", last["peak_memory_bytes"] / 2**20),
+        ]
+        parts = [str(last["strategy"])] + [fmt.format(v) for fmt, v in shown if v is not None and not pd.isna(v)]
+        click.echo(f"{spec.run_id}: completed: " + ", ".join(parts))
 
 
 @main.command()

@@ -37,7 +37,8 @@ class GPU(Frozen):
 
 
 class Partition(Frozen):
-    """One SLURM partition. `gpus_per_node: 0` means a CPU partition: each rank is a process."""
+    """One SLURM partition. `gpus_per_node: 0` means a CPU partition: each rank is a process,
+    and `cpu_peak_tflops_per_rank` (if known) gives MFU a denominator there."""
 
     max_nodes: int = pydantic.Field(ge=1)
     gpus_per_node: int = pydantic.Field(ge=0)
@@ -47,6 +48,7 @@ class Partition(Frozen):
     max_time: Minutes
     gpu_request: str = "--gres=gpu:{n}"
     constraint: Token | None = None
+    cpu_peak_tflops_per_rank: float | None = pydantic.Field(default=None, gt=0)
 
     @pydantic.field_validator("gpu_request")
     @classmethod

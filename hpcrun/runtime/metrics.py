@@ -35,7 +35,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(
-    m: Measurements, warmup: int, tokens_per_step: int, samples_per_step: int, world: int,
+    m: Measurements, warmup: int, tokens_per_step: int | None, samples_per_step: int, world: int,
     flops_per_token: int | None, peak_tflops: float | None,
 ) -> dict[str, tp.Any]:
     timed = m.step_times[warmup:] if len(m.step_times) > warmup else m.step_times
@@ -44,7 +44,7 @@ def summarise(
         "steps_timed": len(timed),
         "step_time_p50_s": percentile(timed, 50),
         "step_time_p95_s": percentile(timed, 95),
-        "tokens_per_s": tokens_per_step / mean if mean else None,
+        "tokens_per_s": tokens_per_step / mean if mean and tokens_per_step else None,
         "samples_per_s": samples_per_step / mean if mean else None,
     }
     row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / world if row["tokens_per_s"] else None

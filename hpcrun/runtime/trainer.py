@@ -182,7 +182,8 @@ def main(spec_path: str) -> dict[str, tp.Any]:
     env = from_scheduler()
     flag = SignalFlag()
     flag.install()  # replaces submitit's handlers: ours stop at a step boundary, collectively
-    init_process_group(env)
+    if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
+        init_process_group(env)
     ctx = Context(spec, env, flag)
     status, reason = "completed", None
     try:
@@ -193,7 +194,10 @@ def main(spec_path: str) -> dict[str, tp.Any]:
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
         finish(ctx, status, reason, collective=False)
         raise
+    digest = weights_digest(ctx.engine) if ctx.engine is not None and status == "completed" else None
     row = finish(ctx, status, reason, collective=True)
+    if digest and env.is_main:
+        (Path(spec.run_dir) / "weights.sha256").write_text(digest + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
@@ -240,6 +244,28 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     return row
 
 
+def weights_digest(engine: tp.Any) -> str:
+    """sha256 over the full model's parameters in name order, the same for any strategy:
+    what exact-resume tests compare. Collective (ZeRO-3 and FSDP gather their shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if isinstance(engine, strategies.DeepSpeedEngine):
+        import deepspeed
+
+        module = engine.engine.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    else:
+        # cpu_offload on a CPU-only FSDP1 model segfaults in torch 2.13 (and gains nothing there)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
+        state = get_model_state_dict(engine.model, options=options)
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().float().numpy().tobytes())
+    return h.hexdigest()
+
+
 def write_marker(run_dir: Path, state: dict[str, tp.Any]) -> None:
     """`state.json`: what `hpcrun status` reports where the scheduler no longer knows the job."""
     import json
@@ -262,11 +288,11 @@ def result_row(ctx: Context, status: str, reason: str | None, peak: int) -> dict
     size = SIZES[recipe.job.model] if is_bench else None  # type: ignore[union-attr]
     world = ctx.world_size
     tokens = world * t.micro_batch * t.grad_accum * t.seq_len
-    peak_tflops = None
+    peak_tflops = part.cpu_peak_tflops_per_rank
     if part.gpu and ctx.device.type == "cuda":
         peak_tflops = part.gpu.peak_fp16 if recipe.precision == "fp16-mixed" else part.gpu.peak_tflops_bf16
     measured = summarise(
-        ctx.measured, t.warmup_steps, tokens, world * t.micro_batch * t.grad_accum, world,
+        ctx.measured, t.warmup_steps, tokens if is_bench else None, world * t.micro_batch * t.grad_accum, world,
         size.flops_per_token(t.seq_len) if size else None, peak_tflops,
     )
     script = Path(spec.run_dir) / "script.sh"

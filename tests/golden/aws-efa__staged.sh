@@ -33,6 +33,7 @@ export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 
 # One task per rank; submitit's entry point runs the pickled hpcrun task.
+export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \

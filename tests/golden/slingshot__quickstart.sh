@@ -39,6 +39,7 @@ export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 
 # One task per rank; submitit's entry point runs the pickled hpcrun task.
+export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \

@@ -34,6 +34,7 @@ srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$HPCRUN_NVME_
 trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$HPCRUN_NVME_DIR"' EXIT
 
 # One task per rank; submitit's entry point runs the pickled hpcrun task.
+export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   /usr/bin/python3 -u -m submitit.core._submit /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs

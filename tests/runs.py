@@ -1,0 +1,65 @@
+"""Running real jobs from tests: a private copy of a site (runs under tmp), submit, wait, read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import typing as tp
+from pathlib import Path
+
+import yaml
+
+from hpcrun.results import load
+from tests.helpers import ROOT
+
+
+def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
+    """`sites/<base>.yaml` with runs and results under `tmp` (and any top-level changes)."""
+    data = yaml.safe_load((ROOT / "sites" / f"{base}.yaml").read_text())
+    data["name"] = f"{base}-test"
+    data["storage"]["runs_dir"] = str(tmp / "runs")
+    data["storage"]["results_dir"] = str(tmp / "results")
+    if base == "local":
+        data["partitions"]["local"]["cpu_peak_tflops_per_rank"] = 0.05
+    for key, value in changes.items():
+        data[key] = value
+    path = tmp / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def recipe(tmp: Path, name: str, **fields: tp.Any) -> Path:
+    data = {"name": name, "job": {"kind": "benchmark", "model": "tiny"}, "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"}}
+    data.update(fields)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def hpcrun(*args: str, cwd: Path | None = None, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "hpcrun.cli", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"hpcrun {' '.join(args)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def run_dir_of(out: subprocess.CompletedProcess[str]) -> Path:
+    for line in out.stdout.splitlines():
+        if line.strip().startswith("run dir:"):
+            return Path(line.split("run dir:")[1].strip())
+    raise AssertionError(f"no run dir in output:\n{out.stdout}")
+
+
+def losses(run_dir: Path) -> list[float]:
+    """Every step's global loss across the run's attempts, in step order."""
+    files = sorted(run_dir.glob("losses-*.txt"), key=lambda p: p.stat().st_mtime)
+    return [float(x) for x in files[-1].read_text().split()] if files else []
+
+
+def state(run_dir: Path) -> dict[str, tp.Any]:
+    return dict(json.loads((run_dir / "state.json").read_text()))
+
+
+def rows(tmp: Path, run_dir: Path) -> "tp.Any":
+    return load(tmp / "results", run_id=run_dir.name)

@@ -1,0 +1,114 @@
+"""Integration tests on the real SLURM test cluster (tests/cluster/testcluster.sh up).
+
+Skipped with the reason when the cluster is down; `.ci/run` brings it up and sets
+HPCRUN_REQUIRE_CLUSTER so that in CI a skip is an error instead.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state
+
+pytestmark = pytest.mark.cluster
+RECIPES = ["quickstart", "zero-infinity", "staged", "gpt-strategies", "entrypoint", "command"]
+
+
+@pytest.fixture
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory both nodes see (the namespaces share the host's filesystem)."""
+    return tmp_path_factory.mktemp("cluster")
+
+
+def wait_state(site: Path, run_dir: Path, wanted: set[str], timeout: float = 180) -> str:
+    deadline = time.time() + timeout
+    current = ""
+    while time.time() < deadline:
+        out = hpcrun("status", "--site", str(site), run_dir.name)
+        line = next(l for l in out.stdout.splitlines() if l.startswith(run_dir.name))
+        current = line.split()[2]
+        if current in wanted:
+            return current
+        time.sleep(2)
+    raise AssertionError(f"{run_dir.name} still {current}, wanted {wanted}")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_test_only_accepts_every_rendered_script(name: str, tmp_path: Path) -> None:
+    note = hpcrun("render", "--site", "testcluster", f"jobs/{name}.yaml").stderr  # "# N runs in this recipe; ..."
+    runs = int(note.split()[1]) if "runs in this recipe" in note else 1
+    for index in range(runs):
+        script = tmp_path / f"{name}-{index}.sh"
+        script.write_text(hpcrun("render", "--site", "testcluster", "--index", str(index), f"jobs/{name}.yaml").stdout)
+        out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+        assert out.returncode == 0, f"{name}[{index}]: {out.stderr}"
+        assert "to start at" in out.stderr
+
+
+def test_test_only_rejects_an_impossible_script(tmp_path: Path) -> None:
+    script = tmp_path / "bad.sh"
+    text = hpcrun("render", "--site", "testcluster", "jobs/quickstart.yaml").stdout
+    script.write_text(text.replace("#SBATCH --nodes=1", "#SBATCH --nodes=3"))
+    out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+    assert out.returncode != 0 and "node configuration is not available" in out.stderr
+
+
+def test_two_node_job_over_the_site_interface(shared: Path) -> None:
+    site = site_copy(shared, "testcluster")
+    rec = recipe(shared, "twonode", resources={"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}, training={"steps": 6, "lr": 0.003})
+    out = hpcrun("submit", "--site", str(site), "--wait", str(rec))
+    run_dir = run_dir_of(out)
+    assert state(run_dir)["status"] == "completed"
+    (row,) = rows(shared, run_dir).to_dict("records")
+    assert row["world_size"] == 4 and row["nodes"] == 2 and row["node_list"] == "node[1-2]"
+    # the file sbatch received is byte for byte what `render` prints for this run id
+    job = state(run_dir)["job_id"]
+    submitted = (run_dir / "logs" / f"{job}_submission.sh").read_text()
+    assert submitted == hpcrun("render", "--site", str(site), "--run-id", run_dir.name, str(rec)).stdout
+    status = hpcrun("status", "--site", str(site), run_dir.name)
+    assert "COMPLETED" in status.stdout and "node[1-2]" in status.stdout and "(from sacct)" in status.stderr
+    log = hpcrun("logs", "--site", str(site), run_dir.name, "--rank", "3").stdout
+    assert "global_rank=3(4)" in log
+
+
+def test_wrong_interface_is_what_breaks(shared: Path) -> None:
+    """The site profile's interface really carries the traffic: name another and gloo fails."""
+    import yaml
+
+    site = site_copy(shared, "testcluster")
+    data = yaml.safe_load(site.read_text())
+    data["network"]["interface"] = "eth7"
+    site.write_text(yaml.safe_dump(data))
+    rec = recipe(shared, "wrongif", resources={"nodes": 2, "gpus_per_node": 1, "time": "00:05:00"}, training={"steps": 2})
+    out = hpcrun("submit", "--site", str(site), "--wait", str(rec), check=False)
+    assert out.returncode == 1
+    run_dir = run_dir_of(out)
+    errors = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.err"))
+    assert "eth7" in errors
+
+
+def test_cancel(shared: Path) -> None:
+    site = site_copy(shared, "testcluster")
+    rec = recipe(shared, "long", training={"steps": 100000, "lr": 0.001}, checkpoint={"interval": 100000})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    wait_state(site, run_dir, {"RUNNING"})
+    assert "cancelled" in hpcrun("cancel", "--site", str(site), run_dir.name).stdout
+    assert wait_state(site, run_dir, {"CANCELLED", "COMPLETED", "FAILED"}) == "CANCELLED"
+
+
+def test_refused_partition_shows_sbatch_message(shared: Path) -> None:
+    import yaml
+
+    site = site_copy(shared, "testcluster")
+    data = yaml.safe_load(site.read_text())
+    data["partitions"]["ghost"] = data["partitions"]["batch"]
+    data["default_partition"] = "ghost"
+    site.write_text(yaml.safe_dump(data))
+    out = hpcrun("submit", "--site", str(site), "--run-id", "refused-run", "jobs/quickstart.yaml", check=False)
+    assert out.returncode == 1
+    assert "invalid partition" in out.stderr.lower(), out.stderr
+    assert not (shared / "runs" / "refused-run").exists()
