@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 import typing as tp
 from pathlib import Path
@@ -66,6 +68,23 @@ class RenderedLocalExecutor(submitit.LocalExecutor):
     def _submitit_command_str(self) -> str:
         return f"bash {shlex.quote(str(self.script_path))}"
 
+    def _submit_command(self, command: str) -> tp.Any:
+        """Start the controller with its own log instead of our stdout/stderr: inheriting them
+        would keep a caller's pipe (`hpcrun submit | tee`, a test) open until the job ends."""
+        log = os.open(self.script_path.parent / "logs" / "controller.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            return super()._submit_command(command)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (log, *saved):
+                os.close(fd)
+
 
 def prepare(spec: RunSpec) -> Path:
     """Write the run directory: the resolved RunSpec and the script. Returns its path."""
@@ -85,6 +104,8 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
     try:
         if spec.site.scheduler == "local":
             executor: submitit.Executor = RenderedLocalExecutor(spec, run_dir / SCRIPT_FILE)
+            # SLURM counts restarts itself; locally each resubmission of the run is one
+            os.environ["HPCRUN_RESTART_COUNT"] = str(len(read_jobs(run_dir)))
         else:
             if shutil.which("sbatch") is None:
                 raise SubmissionError(f"sbatch is not on PATH: site {spec.site.name!r} needs a SLURM login node")

@@ -291,5 +291,26 @@ def cancel(site_name: str, run: str) -> None:
         click.echo(f"cancelled {run_dir.name} (job {cancel_run(run_dir)})")
 
 
+@main.group()
+def checkpoint() -> None:
+    """Work with a run's checkpoints."""
+
+
+@checkpoint.command("consolidate")
+@site_option
+@click.argument("run")
+@click.option("--step", type=int, default=None, help="Which complete checkpoint (default: the newest).")
+def checkpoint_consolidate(site_name: str, run: str, step: int | None) -> None:
+    """Write one fp32 state dict from RUN's sharded (DCP or ZeRO) checkpoint."""
+    from hpcrun.runtime.checkpoint import consolidate  # torch: this command is for after the run
+
+    (run_dir,) = _run_dirs(site_name, run)[:1]
+    try:
+        path, digest = consolidate(run_dir, step)
+    except FileNotFoundError as exc:
+        raise HpcrunError(str(exc)) from exc
+    click.echo(f"{path}  sha256 of weights {digest}")
+
+
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ class RunStatus:
 
     @property
     def done(self) -> bool:
-        return self.state in TERMINAL or self.state in ("STOPPED", "REQUEUE_CAP")
+        return self.state in TERMINAL
 
 
 @dataclasses.dataclass
@@ -147,8 +147,8 @@ def statuses(run_dirs: list[Path]) -> list[RunStatus]:
             result.append(RunStatus(run_dir.name, job["job_id"], state, "", None, int(own.get("restart_count", 0)), own.get("reason") or "", source))
             continue
         state = row.state
-        if state == "COMPLETED" and own.get("status") in ("failed", "requeued"):
-            state = "REQUEUE_CAP" if "cap" in (own.get("reason") or "") else state
+        if own.get("status") == "failed" and state == "COMPLETED":  # stopped at the requeue cap
+            state = "FAILED"
         reason = own.get("reason") or ("" if row.reason in ("None", "") else row.reason)
         result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, reason, source))
     return result

@@ -7,6 +7,7 @@ Leftovers of a killed save are removed before the next save and never picked on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -139,6 +140,42 @@ class Checkpoints:
         if same_world:
             set_rng_state(state["rng"])
         return state
+
+
+def state_digest(state: tp.Mapping[str, torch.Tensor]) -> str:
+    """sha256 over a full state dict's tensors in name order (as fp32): equal weights, equal digest."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
+    """One fp32 state dict (`consolidated-step-N.pt`) from the newest complete checkpoint (or
+    `step`): ZeRO partitions through DeepSpeed's zero_to_fp32, DCP shards through torch's
+    converter. Runs on one process, without the job's world size. Returns (file, digest)."""
+    root = run_dir / "checkpoints"
+    found = dict(complete(root))
+    if not found:
+        raise FileNotFoundError(f"{root}: no complete checkpoint")
+    chosen = step if step is not None else max(found)
+    path = found[chosen]
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest["strategy"] == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path / "state"), tag="state")
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        tmp = run_dir / ".consolidate.tmp.pt"
+        dcp_to_torch_save(str(path / "state"), str(tmp))
+        state = torch.load(tmp, weights_only=False)["model"]
+        tmp.unlink()
+    out = run_dir / f"consolidated-step-{chosen:08d}.pt"
+    torch.save(state, out)
+    return out, state_digest(state)
 
 
 def _serialise(obj: tp.Any) -> bytes:

@@ -68,6 +68,7 @@ class Context:
         self.step = 0
         self.stopped: str | None = None
         self.started = dt.datetime.now(dt.timezone.utc)
+        self.restored_losses: list[float] = []  # global losses of earlier attempts
 
     def setup(self, model: torch.nn.Module, make_optimizer: strategies.OptimizerFactory) -> strategies.Engine:
         """Wrap `model` in the recipe's strategy, build the optimizer, and resume from the newest
@@ -78,7 +79,7 @@ class Context:
         if found:
             state = self.checkpoints.load(self.engine, found[1])
             self.start_step = int(state["step"])
-            self.measured.losses = list(state.get("losses", []))
+            self.restored_losses = list(state.get("losses", []))
             self.info(f"resumed from {found[1].name} (step {self.start_step})")
         return self.engine
 
@@ -103,8 +104,18 @@ class Context:
                 return
         self.step = total
 
+    def global_losses(self) -> list[float]:
+        """The loss of every step so far on the global batch (collective: the mean over ranks
+        of this attempt's per-rank losses, after the earlier attempts' restored ones)."""
+        local = self.measured.losses
+        if local and dist.is_initialized() and self.world_size > 1:
+            t = torch.tensor(local, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            local = (t / self.world_size).tolist()
+        return self.restored_losses + list(local)
+
     def save(self, step: int) -> None:
-        state = {"step": step, "losses": self.measured.losses}
+        state = {"step": step, "losses": self.global_losses()}
         self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state))
 
     def _agree_to_stop(self) -> int:
@@ -189,10 +200,15 @@ def main(spec_path: str) -> dict[str, tp.Any]:
     try:
         JOBS[spec.recipe.job.kind](ctx)
         if ctx.stopped:
-            status, reason = requeue(ctx)
+            status, reason = stop_decision(ctx)
     except Exception as exc:
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
-        finish(ctx, status, reason, collective=False)
+        retry = spec.site.scheduler == "slurm" and env.restart_count < spec.recipe.checkpoint.max_requeues
+        if spec.site.scheduler == "slurm" and not retry:
+            reason += f"; requeue cap reached ({spec.recipe.checkpoint.max_requeues} requeues)"
+        finish(ctx, status, reason + ("; requeued" if retry else ""), collective=False)
+        if retry:  # a crash counts against the cap like a timeout: transient faults recover, bugs stop
+            requeue_now(env)
         raise
     digest = weights_digest(ctx.engine) if ctx.engine is not None and status == "completed" else None
     row = finish(ctx, status, reason, collective=True)
@@ -200,23 +216,32 @@ def main(spec_path: str) -> dict[str, tp.Any]:
         (Path(spec.run_dir) / "weights.sha256").write_text(digest + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
+    if status == "requeued" and env.is_main:
+        requeue_now(env)  # last: requeueing ends this job's processes
     return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
 
 
-def requeue(ctx: Context) -> tuple[str, str | None]:
-    """After the stop checkpoint: on SLURM, rank 0 requeues the job unless SLURM is already
-    doing it (preemption) or the cap is reached. Locally, `hpcrun resume` continues."""
+def stop_decision(ctx: Context) -> tuple[str, str | None]:
+    """After the stop checkpoint: requeue on SLURM unless the cap is reached. Locally,
+    `hpcrun resume` continues."""
     cap = ctx.recipe.checkpoint.max_requeues
+    where = f"{ctx.stopped} at step {ctx.step + 1}"
     if ctx.spec.site.scheduler != "slurm":
-        return "stopped", f"{ctx.stopped} at step {ctx.step + 1}; continue with hpcrun resume"
+        return "stopped", f"{where}; continue with hpcrun resume"
     if ctx.env.restart_count >= cap:
-        return "failed", f"requeue cap reached ({cap} requeues); stopped at step {ctx.step + 1}"
-    if ctx.env.is_main:
-        job = os.environ.get("SLURM_ARRAY_JOB_ID") and f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" or ctx.env.job_id
-        state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-        if "JobState=RUNNING" in state:  # preempted jobs are requeued by SLURM itself: never twice
-            subprocess.run(["scontrol", "requeue", job], check=False)
-    return "requeued", f"{ctx.stopped} at step {ctx.step + 1}"
+        return "failed", f"requeue cap reached ({cap} requeues); {where}"
+    return "requeued", where
+
+
+def requeue_now(env: DistEnv) -> None:
+    """Requeue this job, unless SLURM is already doing so (preemption requeues by itself, and
+    twice would count twice), then lift the ~120 s BeginTime hold SLURM puts on requeued jobs:
+    the nodes it waits for are not reused before they are clean anyway."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else env.job_id
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    if "JobState=RUNNING" in state:
+        subprocess.run(f"scontrol requeue {job} && scontrol update jobid={job} starttime=now", shell=True, check=False)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
@@ -224,14 +249,12 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     or any failing rank, since a failed rank 0 may never get here)."""
     m = ctx.measured
     peak = peak_memory_bytes(ctx.device)
-    if collective and dist.is_initialized() and ctx.world_size > 1:
-        peak_t = torch.tensor([peak], dtype=torch.int64, device=ctx.device)
-        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-        peak = int(peak_t.item())
-        if m.losses:  # the global-batch loss is the mean over ranks of their slices' losses
-            loss_t = torch.tensor(m.losses, dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(loss_t)
-            m.losses = (loss_t / ctx.world_size).tolist()
+    if collective:
+        m.losses = ctx.global_losses()
+        if dist.is_initialized() and ctx.world_size > 1:
+            peak_t = torch.tensor([peak], dtype=torch.int64, device=ctx.device)
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            peak = int(peak_t.item())
     if not (ctx.env.is_main or not collective):
         return {}
     row = result_row(ctx, status, reason, peak)
@@ -259,11 +282,7 @@ def weights_digest(engine: tp.Any) -> str:
         # cpu_offload on a CPU-only FSDP1 model segfaults in torch 2.13 (and gains nothing there)
         options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
         state = get_model_state_dict(engine.model, options=options)
-    h = hashlib.sha256()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().float().numpy().tobytes())
-    return h.hexdigest()
+    return ckpt.state_digest(state)
 
 
 def write_marker(run_dir: Path, state: dict[str, tp.Any]) -> None:

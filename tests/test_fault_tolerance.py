@@ -1,0 +1,194 @@
+"""Fault tolerance on this machine: interrupted runs end with the same weights, bit for bit,
+as uninterrupted ones; a save killed at any point never yields a checkpoint that resume picks."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import shutil
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state
+
+pytestmark = pytest.mark.slow
+
+STRATEGIES = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp", "sharding": "full"},
+    "zero2": {"name": "deepspeed", "stage": 2},
+    "zero3": {"name": "deepspeed", "stage": 3},
+}
+TRAINING = {"steps": 100, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+
+
+def controller(run_dir: Path) -> int:
+    return int(json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"])
+
+
+def ranks(run_dir: Path) -> list[int]:
+    """The rank processes of a local job: the children of submitit's controller."""
+    out = subprocess.run(["pgrep", "-P", str(controller(run_dir))], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def wait_for(predicate, timeout: float = 240, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def checkpoint_after(run_dir: Path, step: int) -> bool:
+    return any(int(p.name.split("-")[1]) > step for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def weights(run_dir: Path) -> str:
+    return (run_dir / "weights.sha256").read_text().strip()
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_interrupted_run_ends_bit_identical(name: str, tmp_path: Path) -> None:
+    site = site_copy(tmp_path)
+    rng = random.Random(name)
+    kwargs = {"strategy": STRATEGIES[name], "training": TRAINING, "checkpoint": {"interval": 5}}
+    baseline = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, f"{name}-whole", **kwargs))))
+
+    rec = recipe(tmp_path, f"{name}-cut", **kwargs)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    # 1. USR2 to one rank only, at a random moment: all ranks must agree, save and stop
+    wait_for(lambda: checkpoint_after(run_dir, 0), what="the first checkpoint")
+    time.sleep(rng.uniform(0, 0.2))
+    os.kill(rng.choice(ranks(run_dir)), signal.SIGUSR2)
+    wait_for(lambda: (run_dir / "state.json").exists(), what="the stop")
+    stopped = state(run_dir)
+    assert stopped["status"] == "stopped" and 0 < stopped["step"] < TRAINING["steps"], stopped
+    # 2. resume, then SIGKILL the whole job (no chance to save) at a random later moment
+    hpcrun("resume", "--site", str(site), run_dir.name)
+    wait_for(lambda: checkpoint_after(run_dir, stopped["step"]), what="a checkpoint of the resumed job")
+    time.sleep(rng.uniform(0, 0.2))
+    pids = [controller(run_dir), *ranks(run_dir)]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(alive(p) for p in pids), what="the kill")
+    # 3. resume to the end: same weights as the run that was never interrupted
+    hpcrun("resume", "--site", str(site), "--wait", run_dir.name)
+    assert state(run_dir)["status"] == "completed"
+    assert weights(run_dir) == weights(baseline)
+    assert losses(run_dir) == losses(baseline)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kill a DCP save at each file operation in turn: resume never picks the partial
+    checkpoint, and the next save of the same step succeeds."""
+    import torch
+    import torch.distributed as dist
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hpcrun.recipe import Recipe
+    from hpcrun.runtime import checkpoint as ckpt
+    from hpcrun.runtime import strategies
+    from hpcrun.runtime.env import DistEnv
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost")
+        recipe_ = Recipe.model_validate({"name": "k", "strategy": {"name": "ddp"}})
+        engine = strategies.setup(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p), recipe_, env)
+        cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp")
+        cps.save(engine, 1, {"step": 1})
+        real_open, real_rename, real_replace = builtins.open, os.rename, os.replace
+        ops = {"n": 0, "kill_at": -1}
+
+        def counted(fn):  # type: ignore[no-untyped-def]
+            def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+                writing = fn is not real_open or (len(args) > 1 and any(c in str(args[1]) for c in "wax")) or any(c in str(kwargs.get("mode", "")) for c in "wax")
+                if writing:
+                    ops["n"] += 1
+                    if ops["n"] == ops["kill_at"]:
+                        raise Killed(f"killed at file operation {ops['n']}")
+                return fn(*args, **kwargs)
+            return wrapper
+
+        monkeypatch.setattr(builtins, "open", counted(real_open))
+        monkeypatch.setattr(io, "open", counted(real_open))  # pathlib's Path.open, which DCP uses
+        monkeypatch.setattr(os, "rename", counted(real_rename))
+        monkeypatch.setattr(os, "replace", counted(real_replace))
+        ops["kill_at"] = -1
+        ops["n"] = 0
+        cps.save(engine, 2, {"step": 2})  # count the operations of one whole save
+        total = ops["n"]
+        assert total >= 4, total
+        for kill_at in range(1, total + 1):
+            shutil.rmtree(ckpt.step_dir(cps.root, 2), ignore_errors=True)
+            ops.update(n=0, kill_at=kill_at)
+            with pytest.raises((Killed, CheckpointException)):  # DCP wraps what its writers raise
+                cps.save(engine, 2, {"step": 2})
+            ops["kill_at"] = -1
+            latest = ckpt.latest(cps.root)
+            assert latest is not None and latest[0] in (1, 2)
+            if latest[0] == 2:  # only once the manifest and rename are done
+                assert kill_at > total - 2, f"a partial checkpoint became visible (killed at {kill_at}/{total})"
+            else:
+                assert latest[0] == 1
+            state_ = cps.load(engine, latest[1])
+            assert state_["step"] == latest[0]
+            cps.save(engine, 3, {"step": 3})  # the next save succeeds over the leftovers
+            assert ckpt.latest(cps.root)[0] == 3
+            assert not list(cps.root.glob(".tmp-*"))
+            shutil.rmtree(ckpt.step_dir(cps.root, 3))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_checkpoint_loads_at_another_world_size(name: str, tmp_path: Path) -> None:
+    """A 2-rank checkpoint resumed by 1 rank (same global batch) continues the same curve."""
+    site = site_copy(tmp_path)
+    training = {"steps": 6, "lr": 0.003, "micro_batch": 4}
+    two = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, f"{name}-2", strategy=STRATEGIES[name], training=training, checkpoint={"interval": 3}))))
+    one_rec = recipe(
+        tmp_path, f"{name}-1", strategy=STRATEGIES[name], training={**training, "micro_batch": 8}, checkpoint={"interval": 3},
+        resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
+    )
+    hpcrun("submit", "--site", str(site), "--dry-run", "--run-id", "resharded", str(one_rec))
+    one = tmp_path / "runs" / "resharded"
+    shutil.copytree(two / "checkpoints" / "step-00000003", one / "checkpoints" / "step-00000003")
+    hpcrun("resume", "--site", str(site), "--wait", one.name)
+    resumed, original = losses(one), losses(two)
+    assert len(resumed) == 6
+    assert resumed[:3] == original[:3]  # carried over in the checkpoint
+    for a, b in zip(resumed[3:], original[3:]):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_consolidate_zero3(tmp_path: Path) -> None:
+    site = site_copy(tmp_path)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, "z3", strategy=STRATEGIES["zero3"], training={"steps": 4}, checkpoint={"interval": 4}))))
+    out = hpcrun("checkpoint", "consolidate", "--site", str(site), run_dir.name)
+    assert out.stdout.split()[-1] == weights(run_dir)  # the same weights the job ended with
+    assert (run_dir / "consolidated-step-00000004.pt").exists()
