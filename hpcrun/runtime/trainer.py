@@ -235,13 +235,13 @@ def stop_decision(ctx: Context) -> tuple[str, str | None]:
 
 def requeue_now(env: DistEnv) -> None:
     """Requeue this job, unless SLURM is already doing so (preemption requeues by itself, and
-    twice would count twice), then lift the ~120 s BeginTime hold SLURM puts on requeued jobs:
-    the nodes it waits for are not reused before they are clean anyway."""
+    twice would count twice). SLURM holds a requeued job for the site's `AuthInfo=cred_expire`
+    (120 s by default) before it may start again: a floor on requeue latency set by the site."""
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else env.job_id
     state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     if "JobState=RUNNING" in state:
-        subprocess.run(f"scontrol requeue {job} && scontrol update jobid={job} starttime=now", shell=True, check=False)
+        subprocess.run(["scontrol", "requeue", job], check=False)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:

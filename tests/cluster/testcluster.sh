@@ -66,6 +66,9 @@ ClusterName=$CLUSTER
 SlurmctldHost=$host($NET.1)
 SlurmUser=root
 AuthType=auth/munge
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s);
+# short here so requeue tests take seconds. Clusters choose it for their prolog times.
+AuthInfo=cred_expire=20
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=/run/slurm/slurmctld.pid
@@ -166,8 +169,8 @@ nodes_idle() {
 }
 
 status() {
-  for d in munged mysqld slurmdbd slurmctld; do
-    printf '%-10s %s\n' "$d" "$(pgrep -x "$d" >/dev/null && echo running || echo stopped)"
+  for d in munged 'mysqld|mariadbd' slurmdbd slurmctld; do
+    printf '%-10s %s\n' "${d%%|*}" "$(pgrep -x "$d" >/dev/null && echo running || echo stopped)"
   done
   for node in "${NODES[@]}"; do
     printf '%-10s %s\n' "slurmd/$node" "$(pgrep -f "slurmd -N $node" >/dev/null && echo running || echo stopped)"
@@ -190,10 +193,14 @@ up() {
 
 down() {
   scancel --state=all -u root >/dev/null 2>&1 || true
-  pkill -x slurmd || true
-  pkill -x slurmctld || true
-  pkill -x slurmdbd || true
-  sleep 1
+  # a daemon still exiting holds its port (the next `up` could not start its successor), and a
+  # step daemon of a killed job keeps its node "completing": stop them all, then insist
+  pkill -x 'slurmd|slurmctld|slurmdbd|slurmstepd' || true
+  if ! wait_for 15 "daemons to exit" bash -c '! pgrep -x "slurmd|slurmctld|slurmdbd|slurmstepd"'; then
+    pkill -9 -f 'slurmd|slurmctld|slurmdbd|slurmstepd' || true
+    wait_for 10 "daemons to die" bash -c '! pgrep -x "slurmd|slurmctld|slurmdbd|slurmstepd"'
+  fi
+
   for node in "${NODES[@]}"; do
     ip netns del "$node" 2>/dev/null || true
     ip link del "veth-$node" 2>/dev/null || true

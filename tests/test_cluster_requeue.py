@@ -1,0 +1,111 @@
+"""Requeue on the real SLURM test cluster: time limit, USR2, preemption, crash cap. Every
+interrupted run must end with the weights of an uninterrupted one, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import typing as tp
+from pathlib import Path
+
+import pytest
+
+from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+TRAINING = {"steps": 600, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+CHECKPOINT = {"interval": 50, "max_requeues": 4}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("requeue")
+
+
+@pytest.fixture(scope="module")
+def baseline(shared: Path) -> str:
+    """The same training, never interrupted (on this machine: same world size, same result)."""
+    site = site_copy(shared)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(shared, "baseline", training=TRAINING, checkpoint=CHECKPOINT))))
+    return (run_dir / "weights.sha256").read_text()
+
+
+def records(job: str) -> list[str]:
+    """sacct's records of a job, one per start (requeues add records with -D)."""
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
+    return [l.split()[0] for l in out.stdout.split()] if out.stdout.strip() else []
+
+
+def wait_done(run_dir: Path, timeout: float = 420) -> dict[str, tp.Any]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed"):
+            job = state(run_dir)["job_id"]
+            if records(job) and records(job)[-1] in ("COMPLETED", "FAILED"):
+                return state(run_dir)
+        time.sleep(2)
+    raise AssertionError(f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}")
+
+
+def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not any((run_dir / "checkpoints").glob("step-*")):
+        time.sleep(0.2)
+    assert any((run_dir / "checkpoints").glob("step-*")), "no checkpoint appeared"
+
+
+def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
+    site = site_copy(shared, "testcluster")
+    rec = recipe(shared, name, training=TRAINING, **{"checkpoint": CHECKPOINT, **extra})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+
+
+def test_time_limit_requeues_until_done(shared: Path, baseline: str) -> None:
+    run_dir, job = submit(
+        shared, "timelimit",
+        resources={"nodes": 1, "gpus_per_node": 2, "time": "00:01:00"},
+        checkpoint={**CHECKPOINT, "signal_lead_s": 45},
+        training={**TRAINING, "steps": 1500},
+    )
+    final = wait_done(run_dir, timeout=600)
+    assert final["status"] == "completed"
+    starts = records(job)
+    assert len(starts) >= 2, starts  # it really was cut by the time limit at least once
+    assert (run_dir / "weights.sha256").exists()
+
+
+def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: str) -> None:
+    run_dir, job = submit(shared, "usr2")
+    wait_checkpoint(run_dir)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    final = wait_done(run_dir)
+    assert final["status"] == "completed" and final["restart_count"] == 1
+    assert records(job) == ["REQUEUED", "COMPLETED"]
+    assert (run_dir / "weights.sha256").read_text() == baseline
+
+
+def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: str) -> None:
+    run_dir, job = submit(shared, "preempted")
+    wait_checkpoint(run_dir)
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
+    final = wait_done(run_dir)
+    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert len(records(job)) == 2, records(job)  # requeued once: not by SLURM and hpcrun both
+    assert records(urgent.split(";")[0]) == ["COMPLETED"]
+    assert (run_dir / "weights.sha256").read_text() == baseline
+
+
+def test_crashing_job_stops_at_the_cap(shared: Path) -> None:
+    run_dir, job = submit(
+        shared, "crash",
+        job={"kind": "command", "command": ["python", "-c", "raise SystemExit(7)"]},
+        checkpoint={**CHECKPOINT, "max_requeues": 2},
+    )
+    final = wait_done(run_dir, timeout=300)
+    assert final["status"] == "failed"
+    assert "requeue cap reached (2 requeues)" in final["reason"]
+    assert len(records(job)) == 3 and records(job)[-1] == "FAILED", records(job)
+    status = hpcrun("status", "--site", str(site_copy(shared, "testcluster")), run_dir.name).stdout
+    assert "FAILED" in status and "requeue cap" in status
