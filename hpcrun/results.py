@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 if tp.TYPE_CHECKING:
@@ -22,7 +23,7 @@ S, I, F, T = pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC")
 
 # name -> type; provenance first, then what the runtime measures.
 COLUMNS: dict[str, pa.DataType] = {
-    "run_id": S, "sweep_id": S, "point_id": S, "stage": S, "site": S, "cluster": S, "partition": S,
+    "attempt_id": S, "run_id": S, "sweep_id": S, "point_id": S, "stage": S, "site": S, "cluster": S, "partition": S,
     "nodes": I, "gpus_per_node": I, "world_size": I, "gpu_model": S, "interconnect": S,
     "strategy": S, "zero_stage": I, "offload_optimizer": S, "offload_param": S, "precision": S,
     "job_kind": S, "model": S, "parameters": I, "micro_batch": I, "grad_accum": I, "global_batch": I, "seq_len": I, "steps": I,
@@ -51,14 +52,20 @@ def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
 
 
 def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:
-    """One Parquet file for one run attempt, made visible by an atomic rename."""
+    """One Parquet file for one run attempt, made visible by an atomic rename. `attempt_id`
+    is the row's identity: readers drop copies of it (compaction briefly makes some)."""
     directory = Path(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"{row.get('run_id', 'run')}__{row.get('job_id', 'job')}__{row.get('restart_count', 0)}__{uuid.uuid4().hex[:8]}.parquet"
-    tmp = directory / f".tmp-{name}"
-    pq.write_table(table([row]), tmp)
-    os.replace(tmp, directory / name)
+    row = {**row, "attempt_id": row.get("attempt_id") or uuid.uuid4().hex}
+    name = f"{row.get('run_id', 'run')}__{row.get('job_id', 'job')}__{row.get('restart_count', 0)}__{row['attempt_id'][:12]}.parquet"
+    _write_atomic(table([row]), directory / name)
     return directory / name
+
+
+def _write_atomic(data: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
+    pq.write_table(data, tmp)
+    os.replace(tmp, path)
 
 
 def files(results_dir: str | Path) -> list[Path]:
@@ -67,25 +74,79 @@ def files(results_dir: str | Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*.parquet") if not p.name.startswith(".")) if directory.is_dir() else []
 
 
+class Vanished(Exception):
+    """A listed file was removed before it was read (a compaction merged it)."""
+
+
+def read(paths: list[Path]) -> pa.Table:
+    """The rows of `paths` as one table of SCHEMA, copies of an attempt dropped. All files at
+    once (threaded) when they are sound; file by file, skipping and reporting bad ones, if not."""
+    if not paths:
+        return SCHEMA.empty_table()
+    try:
+        whole = ds.dataset([str(p) for p in paths], schema=SCHEMA, format="parquet").to_table()
+        if whole.column("attempt_id").null_count:  # a foreign file read as null rows
+            raise ValueError("rows without attempt_id")
+    except (pa.ArrowException, OSError, ValueError):
+        tables = []
+        for path in paths:
+            try:
+                tables.append(pq.read_table(path).select(SCHEMA.names).cast(SCHEMA))
+            except FileNotFoundError as exc:
+                raise Vanished(str(path)) from exc
+            except (pa.ArrowException, OSError, KeyError, ValueError) as exc:
+                warnings.warn(f"{path}: skipped, not a readable hpcrun results file ({exc})", stacklevel=3)
+        whole = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    return _unique(whole)
+
+
+def _unique(data: pa.Table) -> pa.Table:
+    ids = data.column("attempt_id").to_pylist()
+    seen: set[str | None] = set()
+    keep = [i for i, a in enumerate(ids) if not (a in seen or seen.add(a))]  # type: ignore[func-returns-value]
+    return data if len(keep) == len(ids) else data.take(keep)
+
+
 def load(results_dir: str | Path, **filters: tp.Any) -> "pd.DataFrame":
     """All results under `results_dir` as a DataFrame with the schema's dtypes. A file that is
     truncated or not ours is reported (warning) and skipped. `filters` are column=value (or a
     list of values) equalities."""
-    tables = []
-    for path in files(results_dir):
+    for attempt in range(5):
         try:
-            t = pq.read_table(path)
-            tables.append(t.select(SCHEMA.names).cast(SCHEMA))
-        except (pa.ArrowException, OSError, KeyError, ValueError) as exc:
-            warnings.warn(f"{path}: skipped, not a readable hpcrun results file ({exc})", stacklevel=2)
-    whole = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-    df = whole.to_pandas(types_mapper=_dtype)
+            data = read(files(results_dir))
+            break
+        except Vanished:  # merged into a new file meanwhile: list again, it is there now
+            if attempt == 4:
+                raise
+    df = data.to_pandas(types_mapper=_dtype)
     for column, wanted in filters.items():
         if column not in df.columns:
             raise KeyError(f"no column {column!r} to filter on")
         values = wanted if isinstance(wanted, (list, tuple, set)) else [wanted]
         df = df[df[column].isin(values)]
     return df.reset_index(drop=True)
+
+
+def compact(results_dir: str | Path) -> tuple[int, int]:
+    """Merge the directory's files into one, idempotently and while jobs keep writing.
+
+    Only the files present at the start are merged; new ones are left for next time. The merged
+    file becomes visible (atomic rename) before the originals are removed, so a reader sees
+    every row at every moment (copies meanwhile are dropped by `attempt_id`). A lock keeps two
+    compactions from merging the same files. Returns (files merged, rows written)."""
+    from filelock import FileLock
+
+    directory = Path(results_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(directory / ".compact.lock")):
+        inputs = files(directory)
+        if len(inputs) <= 1:
+            return 0, 0
+        merged = read(inputs)
+        _write_atomic(merged, directory / f"compacted-{uuid.uuid4().hex[:12]}.parquet")
+        for path in inputs:
+            path.unlink(missing_ok=True)
+        return len(inputs), merged.num_rows
 
 
 def _dtype(arrow_type: pa.DataType) -> tp.Any:

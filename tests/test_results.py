@@ -1,0 +1,151 @@
+"""Parquet results: schema round trip, many concurrent writers, compaction during writes, bad
+files, and the comparison/check/report commands."""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hpcrun.results import COLUMNS, SCHEMA, compact, files, load, table, write_attempt
+from tests.helpers import cli
+
+
+def row(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "run_id": "r1", "site": "local", "strategy": "ddp", "nodes": 1, "world_size": 2, "status": "completed",
+        "tokens_per_s": 1000.0, "tokens_per_s_per_gpu": 500.0, "mfu": 0.4, "peak_memory_bytes": 2**30,
+        "step_time_p50_s": 0.1, "start_time": dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc), "extra": {"a": 1.5},
+    }
+    base.update(over)
+    return base
+
+
+def test_schema_round_trip(tmp_path: Path) -> None:
+    full = {name: None for name in COLUMNS}
+    values = {pa.string(): "x", pa.int64(): 7, pa.float64(): 0.25}
+    for name, kind in COLUMNS.items():
+        full[name] = values.get(kind, dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc))
+    full["attempt_id"] = "a1"
+    full["extra"] = {"user_metric": 3.5}
+    write_attempt(tmp_path, full)
+    df = load(tmp_path)
+    assert len(df) == 1
+    got = df.iloc[0]
+    for name, kind in COLUMNS.items():
+        assert got[name] == full[name], name
+    assert dict(got["extra"]) == {"user_metric": 3.5}
+    assert str(df["nodes"].dtype) == "Int64" and str(df["mfu"].dtype) == "Float64"
+    assert str(df["strategy"].dtype).startswith("string") and str(df["start_time"].dtype) == "datetime64[us, UTC]"
+
+
+def test_unknown_column_is_refused() -> None:
+    with pytest.raises(ValueError, match="not in the results schema"):
+        table([{"run_id": "x", "bogus": 1}])
+
+
+def _writer(args: tuple[str, int, int]) -> list[str]:
+    directory, index, count = args
+    ids = []
+    for k in range(count):
+        attempt = uuid.uuid4().hex
+        write_attempt(directory, row(run_id=f"w{index}", attempt_id=attempt, restart_count=k))
+        ids.append(attempt)
+        time.sleep(random.random() * 0.01)
+    return ids
+
+
+def test_200_concurrent_writers_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(200) as pool:
+        written = [a for ids in pool.map(_writer, [(str(tmp_path), i, 1) for i in range(200)]) for a in ids]
+    df = load(tmp_path)
+    assert len(written) == 200 and sorted(df["attempt_id"]) == sorted(written)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_compaction_during_writes_loses_nothing(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(20) as pool:
+        pending = pool.map_async(_writer, [(str(tmp_path), i, 10) for i in range(20)])
+        seen = 0
+        while not pending.ready():
+            compact(tmp_path)
+            df = load(tmp_path)
+            assert df["attempt_id"].is_unique  # a reader never sees a row twice
+            assert len(df) >= seen  # ... nor loses one it saw
+            seen = len(df)
+        written = [a for ids in pending.get() for a in ids]
+    compact(tmp_path)
+    assert sorted(load(tmp_path)["attempt_id"]) == sorted(written)
+    assert len(files(tmp_path)) == 1
+    assert compact(tmp_path) == (0, 0)  # idempotent
+
+
+def test_bad_files_are_reported_and_skipped(tmp_path: Path) -> None:
+    write_attempt(tmp_path, row(attempt_id="good"))
+    good = files(tmp_path)[0]
+    (tmp_path / "truncated.parquet").write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    pq.write_table(pa.table({"something": [1, 2]}), tmp_path / "foreign.parquet")
+    with pytest.warns(UserWarning) as caught:
+        df = load(tmp_path)
+    assert list(df["attempt_id"]) == ["good"]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "truncated.parquet: skipped" in messages and "foreign.parquet: skipped" in messages
+    out = cli("results", "--dir", str(tmp_path), "--format", "csv")
+    assert out.exit_code == 0 and "warning: " in out.stderr and "good" in out.stdout
+
+
+def test_compare_scaling_efficiency(tmp_path: Path) -> None:
+    for nodes, per_gpu, strategy in [(1, 500.0, "ddp"), (2, 450.0, "ddp"), (1, 400.0, "fsdp"), (2, 400.0, "fsdp"), (2, 1.0, "ddp")]:
+        status = "failed" if per_gpu == 1.0 else "completed"
+        write_attempt(tmp_path, row(strategy=strategy, nodes=nodes, tokens_per_s_per_gpu=per_gpu, status=status))
+    out = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "json")
+    assert out.exit_code == 0, out.output
+    table_ = pd.read_json(__import__("io").StringIO(out.stdout))
+    eff = {(r.strategy, r.nodes): round(r.scaling_efficiency, 3) for r in table_.itertuples()}
+    assert eff == {("ddp", 1): 1.0, ("ddp", 2): 0.9, ("fsdp", 1): 1.0, ("fsdp", 2): 1.0}
+    assert list(table_["runs"]) == [1, 1, 1, 1]  # the failed run is not averaged in
+    md = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "markdown").stdout
+    assert md.splitlines()[1].startswith("|--")
+
+
+def test_check_against_baseline(tmp_path: Path) -> None:
+    write_attempt(tmp_path, row(tokens_per_s=1000.0))
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("references:\n- {match: {strategy: ddp}, metric: tokens_per_s, value: 1050, tolerance: 0.1}\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("references:\n- {match: {strategy: ddp}, metric: tokens_per_s, value: 1200, tolerance: 0.1}\n")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("references:\n- {match: {strategy: ddp}, metric: tokens_per_s, value: 1200, tolerence: 0.1}\n")
+    assert cli("results", "check", "--dir", str(tmp_path), "--baseline", str(ok)).exit_code == 0
+    out = cli("results", "check", "--dir", str(tmp_path), "--baseline", str(bad))
+    assert out.exit_code == 1 and "REGRESSION strategy=ddp: tokens_per_s 1000" in out.output
+    out = cli("results", "check", "--dir", str(tmp_path), "--baseline", str(wrong))
+    assert out.exit_code == 2 and f"{wrong}: references.0.tolerence: unknown key" in out.output
+
+
+@pytest.mark.slow
+def test_report_from_real_runs(tmp_path: Path) -> None:
+    from tests.runs import hpcrun, recipe, site_copy
+
+    site = site_copy(tmp_path)
+    for strategy in ({"name": "ddp"}, {"name": "fsdp"}):
+        hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, strategy["name"], strategy=strategy, training={"steps": 5})))
+    out = hpcrun("report", "--site", str(site), "--out", str(tmp_path / "report"))
+    made = [Path(p) for p in out.stdout.split()]
+    assert {p.name for p in made} == {"throughput.png", "mfu.png", "memory.png", "index.html"}
+    for png in made[:3]:
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert 'src="throughput.png"' in page and "fsdp" in page and "ddp" in page
