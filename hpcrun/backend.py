@@ -13,10 +13,13 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 import typing as tp
 from pathlib import Path
 
 import submitit
+from submitit.core.utils import JobPaths
+from submitit.slurm.slurm import SlurmJob
 from submitit.core.utils import FailedJobError
 
 from hpcrun.errors import HpcrunError, SubmissionError
@@ -34,8 +37,8 @@ class RenderedSlurmExecutor(submitit.SlurmExecutor):
     """submitit's SLURM executor, except that the sbatch file is hpcrun's rendered template
     (its documented `_make_submission_file_text` hook), so `render` output is what runs."""
 
-    def __init__(self, spec: RunSpec, script: str, dependency: str | None = None) -> None:
-        super().__init__(folder=spec.log_folder, python=python_command(spec))
+    def __init__(self, spec: RunSpec, script: str, dependency: str | None = None, folder: Path | None = None) -> None:
+        super().__init__(folder=folder or spec.log_folder, python=python_command(spec))
         self.script = script
         self.dependency = dependency
         # only what submitit itself reads back: the task count and the timeout bookkeeping
@@ -45,6 +48,26 @@ class RenderedSlurmExecutor(submitit.SlurmExecutor):
         if command != self._submitit_command_str:  # the template's launch line must be submitit's
             raise RuntimeError(f"submitit command {command!r} differs from the rendered one")
         return self.script
+
+    def _internal_process_submissions(self, delayed_submissions: list[tp.Any]) -> list[tp.Any]:
+        """Several submissions are one job array whose script is ours (submitit's own array
+        path would build a plain executor and its own sbatch text). Array task `a` runs the
+        a-th pickle, as in submitit."""
+        if len(delayed_submissions) == 1:
+            return super()._internal_process_submissions(delayed_submissions)
+        folder = JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pickles = []
+        for delayed in delayed_submissions:
+            path = folder / f"{uuid.uuid4().hex}.pkl"
+            delayed.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+            delayed.dump(path)
+            pickles.append(path)
+        first = self._submit_command(self._submitit_command_str)
+        jobs = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{a}", tasks=list(range(first.num_tasks))) for a in range(len(pickles))]
+        for job, path in zip(jobs, pickles):
+            job.paths.move_temporary_file(path, "submitted_pickle")
+        return jobs
 
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
         deps = [f"--dependency={self.dependency}"] if self.dependency else []
@@ -86,12 +109,13 @@ class RenderedLocalExecutor(submitit.LocalExecutor):
                 os.close(fd)
 
 
-def prepare(spec: RunSpec) -> Path:
-    """Write the run directory: the resolved RunSpec and the script. Returns its path."""
+def prepare(spec: RunSpec, script: str | None = None) -> Path:
+    """Write the run directory: the resolved RunSpec and the script (an array's shared script
+    for a sweep point). Returns its path."""
     run_dir = Path(spec.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / SPEC_FILE).write_text(spec.model_dump_json(indent=1))
-    (run_dir / SCRIPT_FILE).write_text(render(spec))
+    (run_dir / SCRIPT_FILE).write_text(script if script is not None else render(spec))
     return run_dir
 
 
@@ -123,9 +147,40 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
     return str(job.job_id)
 
 
-def record_job(run_dir: Path, job_id: str, scheduler: str) -> None:
+def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | None) -> list[str]:
+    """Points of one shape as one job array with one rendered script; returns their job ids
+    (`<array>_<index>`). A refused array leaves none of its run directories behind."""
+    if shutil.which("sbatch") is None:
+        raise SubmissionError(f"sbatch is not on PATH: site {specs[0].site.name!r} needs a SLURM login node")
+    array = f"0-{len(specs) - 1}" + (f"%{max_concurrent}" if max_concurrent else "")
+    script = render(specs[0], array=array, log_folder=log_folder)
+    fresh = [not (Path(spec.run_dir) / JOBS_FILE).exists() for spec in specs]
+    run_dirs = [prepare(spec, script) for spec in specs]
+    executor = RenderedSlurmExecutor(specs[0], script, folder=log_folder)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), executor.batch():
+            jobs = [executor.submit(task_run, str(d / SPEC_FILE)) for d in run_dirs]
+    except (FailedJobError, subprocess.CalledProcessError, RuntimeError) as exc:
+        for run_dir, new in zip(run_dirs, fresh):
+            if new:  # a retried point keeps its history and checkpoints
+                shutil.rmtree(run_dir, ignore_errors=True)
+        raise SubmissionError(f"array submission refused: {str(exc).strip().splitlines()[-1]}") from exc
+    for run_dir, job in zip(run_dirs, jobs):
+        record_job(run_dir, str(job.job_id), "slurm", log_folder=str(log_folder))
+    return [str(job.job_id) for job in jobs]
+
+
+def wait_local(run_dir: Path) -> None:
+    """Until a local run's controller has ended (local sweeps run their points in turn)."""
+    from hpcrun.status import statuses
+
+    while not statuses([run_dir])[0].done:
+        time.sleep(1)
+
+
+def record_job(run_dir: Path, job_id: str, scheduler: str, **extra: str) -> None:
     jobs = read_jobs(run_dir)
-    jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time()})
+    jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time(), **extra})
     tmp = run_dir / f".{JOBS_FILE}.tmp"
     tmp.write_text(json.dumps(jobs, indent=1))
     tmp.replace(run_dir / JOBS_FILE)

@@ -219,6 +219,37 @@ def _print_results(run_dirs: list[Path]) -> None:
 
 @main.command()
 @site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Show the arrays and their scripts; submit nothing.")
+@click.option("--retry-failed", is_flag=True, help="Also resubmit points whose run failed (they resume).")
+def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> None:
+    """Submit a recipe's sweep: only the points not yet submitted, as job arrays. Safe to run
+    again, by hand or from cron, and twice at once."""
+    from hpcrun.recipe import load_recipe
+    from hpcrun.site import load_site
+    from hpcrun.sweep import schedule
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    if recipe_file.sweep is None:
+        raise HpcrunError("has no sweep: block (use hpcrun submit)", recipe, "sweep")
+    out = schedule(site, recipe_file, dry_run=dry_run, retry_failed=retry_failed)
+    click.echo(f"sweep {out.sweep_id} ({out.directory})")
+    for label, reason in out.skipped:
+        click.echo(f"  skipped  {label}: {reason}")
+    for array, labels in out.arrays:
+        click.echo(f"  array {array}: " + "; ".join(labels))
+    for label in out.deferred:
+        click.echo(f"  deferred {label}: no MaxSubmitJobs headroom now; run hpcrun sweep again later")
+    if dry_run:
+        for script in out.scripts:
+            click.echo("#" * 72 + "\n" + script, nl=False)
+        return
+    click.echo(f"submitted {len(out.submitted)} point(s); {out.already} already submitted; follow with: hpcrun status --site {site.name} {out.sweep_id}")
+
+
+@main.command()
+@site_option
 @click.argument("run")
 @click.option("--wait", is_flag=True)
 def resume(site_name: str, run: str, wait: bool) -> None:
@@ -244,6 +275,12 @@ def status(site_name: str, run: str | None) -> None:
         click.echo("no runs")
         return
     sources = sorted({r.source for r in rows})
+    if len(rows) > 1:  # a sweep (or all runs) at a glance
+        counts: dict[str, int] = {}
+        for r in rows:
+            key = "done" if r.state == "COMPLETED" else "running" if r.state == "RUNNING" else "pending" if r.state in ("PENDING", "REQUEUED") else "failed"
+            counts[key] = counts.get(key, 0) + 1
+        click.echo("  ".join(f"{k} {counts.get(k, 0)}" for k in ("done", "running", "pending", "failed")))
     click.echo(f"{'RUN':48} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8}  REASON")
     for r in rows:
         elapsed = "" if r.elapsed_s is None else f"{r.elapsed_s // 60}:{r.elapsed_s % 60:02d}"

@@ -18,6 +18,9 @@ from hpcrun.site import Site
 from hpcrun.sweep import expand, point_id
 
 
+FINAL_WEIGHTS = "final-weights.pt"
+
+
 class RunSpec(Frozen):
     """One submission: a recipe placed on a site. Written as JSON into the run directory and read
     back by the runtime, so the job runs exactly what was planned."""
@@ -37,6 +40,7 @@ class RunSpec(Frozen):
     point_id: str | None = None
     stage: str | None = None
     init_from: str | None = None
+    init_weights: str | None = None
     env: dict[str, str] = {}
 
     @property
@@ -119,10 +123,14 @@ def runs_of(site: Site, recipe_file: RecipeFile, run_id: str) -> list[RunSpec]:
     Each is checked against the site, so a bad stage or point fails before anything is sent."""
     where = recipe_file.path
     if recipe_file.stages:
-        return [
-            plan(site, recipe, where, f"{run_id}.{stage.name}", stage=stage.name, init_from=stage.init_from)
-            for stage, recipe in recipe_file.stages
-        ]
+        specs: list[RunSpec] = []
+        last = len(recipe_file.stages) - 1
+        for i, (stage, recipe) in enumerate(recipe_file.stages):
+            if i < last:  # its successor starts from these weights, whatever its strategy
+                recipe = recipe.model_copy(update={"checkpoint": recipe.checkpoint.model_copy(update={"export_final": True})})
+            weights = str(Path(specs[-1].run_dir) / FINAL_WEIGHTS) if specs and stage.init_from == "previous" else None
+            specs.append(plan(site, recipe, where, f"{run_id}.{stage.name}", stage=stage.name, init_from=stage.init_from, init_weights=weights))
+        return specs
     if recipe_file.sweep:
         specs = []
         for point in expand(recipe_file.sweep):

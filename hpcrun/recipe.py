@@ -122,6 +122,7 @@ class Checkpoint(Frozen):
     keep: int = 2
     max_requeues: int = pydantic.Field(default=3, ge=0, le=4)
     signal_lead_s: int | None = pydantic.Field(default=None, ge=10)
+    export_final: bool = False  # write final-weights.pt (full fp32, any strategy can load it) and its sha256
 
     @pydantic.field_validator("keep")
     @classmethod

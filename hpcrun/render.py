@@ -41,10 +41,10 @@ def python_command(spec: RunSpec) -> str:
     return spec.site.environment.python or shlex.quote(sys.executable)
 
 
-def task_command(spec: RunSpec) -> str:
+def task_command(spec: RunSpec, folder: Path | None = None) -> str:
     """submitit's own task entry point on the job's pickle folder (the same string submitit
     builds in `_submitit_command_str`)."""
-    return " ".join([python_command(spec), "-u -m submitit.core._submit", shlex.quote(str(spec.log_folder))])
+    return " ".join([python_command(spec), "-u -m submitit.core._submit", shlex.quote(str(folder or spec.log_folder))])
 
 
 def template_name(spec: RunSpec) -> tuple[str | None, str]:
@@ -57,7 +57,9 @@ def template_name(spec: RunSpec) -> tuple[str | None, str]:
     return None, "local.sh.j2" if spec.site.scheduler == "local" else "sbatch.sh.j2"
 
 
-def render(spec: RunSpec) -> str:
+def render(spec: RunSpec, array: str | None = None, log_folder: Path | None = None) -> str:
+    """The script for `spec`; with `array` (`0-N%M`), the one script of a job array whose tasks
+    each run their own point (their pickles live in the shared `log_folder`)."""
     extra, name = template_name(spec)
     template = environment(extra).get_template(name)
     site = spec.site
@@ -74,8 +76,10 @@ def render(spec: RunSpec) -> str:
         constraint=part.constraint,
         env=spec.env,
         container=container,
-        command=task_command(spec),
-        log_folder=str(spec.log_folder),
+        command=task_command(spec, log_folder),
+        log_folder=str(log_folder or spec.log_folder),
+        array=array,
+        job_pattern="%A_%a" if array else "%j",
         nvme_dir=spec.nvme_dir,
         hostname=site.network.hostname,
     )

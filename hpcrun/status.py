@@ -173,6 +173,7 @@ def cancel(run_dir: Path) -> str:
     return job["job_id"]
 
 
-def log_path(run_dir: Path, rank: int, job_id: str | None = None, stream: str = "out") -> Path:
-    job_id = job_id or read_jobs(run_dir)[-1]["job_id"]
-    return run_dir / "logs" / f"{job_id}_{rank}_log.{stream}"
+def log_path(run_dir: Path, rank: int, stream: str = "out") -> Path:
+    """A rank's log of the run's latest job (an array's logs sit in the sweep's log folder)."""
+    job = read_jobs(run_dir)[-1]
+    return Path(job.get("log_folder") or run_dir / "logs") / f"{job['job_id']}_{rank}_log.{stream}"

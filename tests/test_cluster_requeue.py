@@ -15,7 +15,7 @@ from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TRAINING = {"steps": 600, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
-CHECKPOINT = {"interval": 50, "max_requeues": 4}
+CHECKPOINT = {"interval": 50, "max_requeues": 4, "export_final": True}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
 
 def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     site = site_copy(shared, "testcluster")
-    rec = recipe(shared, name, training=TRAINING, **{"checkpoint": CHECKPOINT, **extra})
+    rec = recipe(shared, name, **{"training": TRAINING, "checkpoint": CHECKPOINT, **extra})
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 

@@ -68,7 +68,7 @@ def weights(run_dir: Path) -> str:
 def test_interrupted_run_ends_bit_identical(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     rng = random.Random(name)
-    kwargs = {"strategy": STRATEGIES[name], "training": TRAINING, "checkpoint": {"interval": 5}}
+    kwargs = {"strategy": STRATEGIES[name], "training": TRAINING, "checkpoint": {"interval": 5, "export_final": True}}
     baseline = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, f"{name}-whole", **kwargs))))
 
     rec = recipe(tmp_path, f"{name}-cut", **kwargs)
@@ -188,7 +188,7 @@ def test_checkpoint_loads_at_another_world_size(name: str, tmp_path: Path) -> No
 
 def test_consolidate_zero3(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, "z3", strategy=STRATEGIES["zero3"], training={"steps": 4}, checkpoint={"interval": 4}))))
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, "z3", strategy=STRATEGIES["zero3"], training={"steps": 4}, checkpoint={"interval": 4, "export_final": True}))))
     out = hpcrun("checkpoint", "consolidate", "--site", str(site), run_dir.name)
     assert out.stdout.split()[-1] == weights(run_dir)  # the same weights the job ended with
     assert (run_dir / "consolidated-step-00000004.pt").exists()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrun import __version__
-from hpcrun.plan import RunSpec
+from hpcrun.plan import FINAL_WEIGHTS, RunSpec
 from hpcrun.recipe import DeepSpeed, EntrypointJob, FSDP, CommandJob
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import strategies
@@ -74,8 +74,11 @@ class Context:
         """Wrap `model` in the recipe's strategy, build the optimizer, and resume from the newest
         complete checkpoint of this run if there is one."""
         nvme = os.environ.get("HPCRUN_NVME_DIR")
-        self.engine = strategies.setup(model, make_optimizer, self.recipe, self.env, nvme)
         found = ckpt.latest(self.checkpoints.root)
+        if not found and self.spec.init_weights:  # a stage starting from the previous stage's weights
+            model.load_state_dict(torch.load(self.spec.init_weights, map_location="cpu", weights_only=True))
+            self.info(f"initialised from {self.spec.init_weights}")
+        self.engine = strategies.setup(model, make_optimizer, self.recipe, self.env, nvme)
         if found:
             state = self.checkpoints.load(self.engine, found[1])
             self.start_step = int(state["step"])
@@ -145,7 +148,8 @@ def builtin_benchmark(ctx: Context) -> None:
     training = recipe.training
     size = SIZES[recipe.job.model]  # type: ignore[union-attr]
     torch.manual_seed(training.seed)
-    meta = isinstance(recipe.strategy, FSDP) and recipe.strategy.meta_init
+    # meta-device init would discard weights handed over from a previous stage
+    meta = isinstance(recipe.strategy, FSDP) and recipe.strategy.meta_init and not ctx.spec.init_weights
     with torch.device("meta") if meta else torch.device("cpu"):
         model = GPT(size, training.seq_len, training.activation_checkpointing)
     engine = ctx.setup(model, lambda params: torch.optim.AdamW(params, lr=training.lr, betas=(0.9, 0.95), weight_decay=0.0))
@@ -190,6 +194,7 @@ JOBS: dict[str, tp.Callable[[Context], None]] = {"benchmark": builtin_benchmark,
 def main(spec_path: str) -> dict[str, tp.Any]:
     """One rank of one run attempt. Returns this rank's summary (submitit pickles it)."""
     spec = RunSpec.model_validate_json(Path(spec_path).read_text())
+    os.environ.update(HPCRUN_RUN_DIR=spec.run_dir, HPCRUN_RUN_ID=spec.run_id)  # per point, also in an array
     env = from_scheduler()
     flag = SignalFlag()
     flag.install()  # replaces submitit's handlers: ours stop at a step boundary, collectively
@@ -210,10 +215,9 @@ def main(spec_path: str) -> dict[str, tp.Any]:
         if retry:  # a crash counts against the cap like a timeout: transient faults recover, bugs stop
             requeue_now(env)
         raise
-    digest = weights_digest(ctx.engine) if ctx.engine is not None and status == "completed" else None
+    if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
+        export_final(ctx)
     row = finish(ctx, status, reason, collective=True)
-    if digest and env.is_main:
-        (Path(spec.run_dir) / "weights.sha256").write_text(digest + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
     if status == "requeued" and env.is_main:
@@ -267,9 +271,21 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     return row
 
 
-def weights_digest(engine: tp.Any) -> str:
-    """sha256 over the full model's parameters in name order, the same for any strategy:
-    what exact-resume tests compare. Collective (ZeRO-3 and FSDP gather their shards)."""
+def export_final(ctx: Context) -> None:
+    """The final weights as one plain fp32 state dict (`final-weights.pt`, written atomically by
+    rank 0) and their sha256: what the next stage loads whatever its strategy, and what
+    exact-resume checks compare. Collective: ZeRO-3 and FSDP gather their shards for it."""
+    state = full_state(ctx.engine)
+    if ctx.env.is_main:
+        run_dir = Path(ctx.spec.run_dir)
+        tmp = run_dir / f".{FINAL_WEIGHTS}.tmp"
+        torch.save({k: v.float() for k, v in state.items()}, tmp)
+        tmp.replace(run_dir / FINAL_WEIGHTS)
+        (run_dir / "weights.sha256").write_text(ckpt.state_digest(state) + "\n")
+
+
+def full_state(engine: tp.Any) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on CPU, under the names of the unwrapped model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if isinstance(engine, strategies.DeepSpeedEngine):
@@ -282,7 +298,7 @@ def weights_digest(engine: tp.Any) -> str:
         # cpu_offload on a CPU-only FSDP1 model segfaults in torch 2.13 (and gains nothing there)
         options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
         state = get_model_state_dict(engine.model, options=options)
-    return ckpt.state_digest(state)
+    return {k: v.detach().cpu() for k, v in state.items()}
 
 
 def write_marker(run_dir: Path, state: dict[str, tp.Any]) -> None:
