@@ -248,6 +248,31 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
     click.echo(f"submitted {len(out.submitted)} point(s); {out.already} already submitted; follow with: hpcrun status --site {site.name} {out.sweep_id}")
 
 
+@main.command("plan")
+@site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+def plan_command(site_name: str, recipe: Path) -> None:
+    """Memory per GPU, host and NVMe for each strategy on the site; which fit, and which to use."""
+    from tabulate import tabulate
+
+    from hpcrun.memory import estimate, recommend
+    from hpcrun.plan import plan
+    from hpcrun.recipe import load_recipe
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    if recipe_file.base.job.kind != "benchmark":
+        raise HpcrunError("the planner knows the built-in benchmark's model only (job.kind: benchmark)", recipe, "job.kind")
+    spec = plan(site, recipe_file.base, recipe, "plan")
+    rows = estimate(spec)
+    click.echo(f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} ({spec.recipe.precision}):")  # type: ignore[union-attr]
+    table = [[e.option.name, f"{e.gpu_gb:.1f}", f"{e.cpu_gb_per_node:.0f}", f"{e.nvme_gb_per_node:.0f}", "yes" if e.fits else "no", "" if e.fits else e.why] for e in rows]
+    click.echo(tabulate(table, headers=["strategy", "GPU GB", "host GB/node", "NVMe GB/node", "fits", "why not"], tablefmt="simple"))
+    best, why = recommend(rows)
+    click.echo(f"recommended: {why}" if best else why)
+
+
 @main.command()
 @site_option
 @click.argument("run")

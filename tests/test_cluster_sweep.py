@@ -72,7 +72,7 @@ def test_two_stages_hand_weights_from_ddp_to_fsdp(tmp_path: Path) -> None:
     first, second = losses(run_dirs[0]), losses(run_dirs[1])
     assert state(run_dirs[1])["status"] == "completed"
     assert second[0] < first[0] - 0.05  # it started from the trained weights, not a fresh init
-    assert abs(second[0] - first[-1]) < 0.1
+    assert second[0] < first[-1] + 0.05  # ... and is no worse than where the first stage ended
     log = "".join(p.read_text() for p in (run_dirs[1] / "logs").glob("*_0_log.out"))
     assert "initialised from" in log and "final-weights.pt" in log
 

@@ -1,0 +1,135 @@
+"""The memory planner: which strategies fit a partition, before anything is submitted.
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3): with
+mixed-precision Adam each parameter costs 2 bytes (fp16/bf16 weights) + 2 (gradients) + K=12
+(fp32 master weights, momentum, variance); fp32 training costs 4 + 4 + 8. ZeRO stage 1 divides
+the optimizer states by the data-parallel degree N, stage 2 also the gradients, stage 3 also the
+weights; FSDP's FULL_SHARD is stage 3, SHARD_GRAD_OP stage 2, HYBRID_SHARD stage 3 within a node.
+Activations of the built-in GPT follow Korthikanti et al. 2022 (per layer and token:
+34·h + 5·a·s bytes at 16 bits, or only the 2·h-byte layer input with activation checkpointing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hpcrun.plan import RunSpec
+from hpcrun.sizes import SIZES
+
+GB = 1e9  # the paper's unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A strategy the planner weighs, in order of preference (least communication first)."""
+
+    name: str
+    recipe: dict[str, object]
+    shard_params: str  # "none" | "all" | "node"
+    shard_grads: bool
+    shard_optim: bool
+    offload: str = "none"  # where optimizer states (and, for ZeRO-3, weights) live: none | cpu | nvme
+
+
+OPTIONS = [
+    Option("ddp", {"name": "ddp"}, "none", False, False),
+    Option("zero1", {"name": "deepspeed", "stage": 1}, "none", False, True),
+    Option("zero2", {"name": "deepspeed", "stage": 2}, "none", True, True),
+    Option("fsdp-grad_op", {"name": "fsdp", "sharding": "grad_op"}, "none", True, True),
+    Option("fsdp-hybrid", {"name": "fsdp", "sharding": "hybrid"}, "node", True, True),
+    Option("fsdp-full", {"name": "fsdp", "sharding": "full"}, "all", True, True),
+    Option("zero3", {"name": "deepspeed", "stage": 3}, "all", True, True),
+    Option("zero3-cpu", {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}, "all", True, True, "cpu"),
+    Option("zero3-nvme", {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}, "all", True, True, "nvme"),
+]
+
+
+def model_state_bytes(params: float, n: int, option: Option, mixed: bool, per_node: int = 1) -> tuple[float, float]:
+    """(bytes per GPU, bytes moved off the GPU per rank) of weights, gradients and optimizer."""
+    w, g, k = (2, 2, 12) if mixed else (4, 4, 8)
+    # HYBRID_SHARD shards everything within a node and replicates across nodes
+    group = min(n, per_node) if option.shard_params == "node" else n
+    weights = w * params / (1 if option.shard_params == "none" else group)
+    grads = g * params / (group if option.shard_grads else 1)
+    optim = k * params / (group if option.shard_optim else 1)
+    if option.offload != "none":  # ZeRO-Infinity / Offload: only working buffers stay on the GPU
+        return 0.0, weights + grads + optim
+    return weights + grads + optim, 0.0
+
+
+def activation_bytes(spec: RunSpec) -> float:
+    """Activations of the built-in GPT for one micro-batch, plus the fp32 logits of the loss."""
+    t = spec.recipe.training
+    size = SIZES[spec.recipe.job.model]  # type: ignore[union-attr]
+    tokens = t.micro_batch * t.seq_len
+    per_layer = 2 * size.hidden if t.activation_checkpointing else 34 * size.hidden + 5 * size.heads * t.seq_len
+    scale = 1 if spec.recipe.precision != "fp32" else 2  # the formula counts 16-bit activations
+    return size.layers * tokens * per_layer * scale + tokens * size.vocab * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    option: Option
+    gpu_gb: float
+    cpu_gb_per_node: float
+    nvme_gb_per_node: float
+    fits: bool
+    why: str
+
+
+def estimate(spec: RunSpec) -> list[Estimate]:
+    """Every option for `spec`'s model on its partition, with whether it fits and why not."""
+    part = spec.site.partitions[spec.partition]
+    t = spec.recipe.training
+    size = SIZES[spec.recipe.job.model]  # type: ignore[union-attr]
+    params = size.parameters(t.seq_len)
+    n, per_node = spec.world_size, spec.ranks_per_node
+    mixed = spec.recipe.precision != "fp32"
+    activations = activation_bytes(spec)
+    gpu_cap = part.gpu.memory_gb * GB if part.gpu else part.memory_gb * GB / per_node
+    host_cap = part.memory_gb * GB
+    nvme = spec.site.storage.nvme
+    out = []
+    for option in OPTIONS:
+        on_gpu, moved = model_state_bytes(params, n, option, mixed, per_node)
+        gpu = on_gpu + activations
+        cpu = moved * per_node if option.offload == "cpu" else 0.0
+        disk = moved * per_node if option.offload == "nvme" else 0.0
+        problems = []
+        if gpu > gpu_cap:
+            problems.append(f"needs {gpu / GB:.1f} GB per GPU, has {gpu_cap / GB:.0f}")
+        if cpu > host_cap:
+            problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}")
+        if option.offload == "nvme" and (nvme is None or disk > nvme.size_gb * GB):
+            problems.append("no storage.nvme in the site" if nvme is None else f"needs {disk / GB:.0f} GB NVMe per node, has {nvme.size_gb:.0f}")
+        out.append(Estimate(option, gpu / GB, cpu / GB, disk / GB, not problems, "; ".join(problems) or "fits"))
+    return out
+
+
+def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
+    """The first option that fits: options are ordered by how much they communicate and move."""
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return None, "nothing fits: use more nodes, a smaller micro batch, or activation checkpointing"
+    best = fitting[0]
+    later = [e.option.name for e in estimates if estimates.index(e) < estimates.index(best)]
+    why = f"{best.option.name} fits ({best.gpu_gb:.1f} GB per GPU)"
+    if later:
+        why += f"; {', '.join(later)} would not ({next(e.why for e in estimates if e.option.name == later[-1])})"
+    return best, why + "; the fitting option with the least communication"
+
+
+def option_for(spec: RunSpec) -> Option:
+    """The planner's option for the strategy the recipe asks for."""
+    s = spec.recipe.strategy
+    for option in OPTIONS:
+        r = option.recipe
+        if r["name"] != s.name:
+            continue
+        if s.name == "fsdp" and r.get("sharding") == getattr(s, "sharding", None):
+            return option
+        if s.name == "deepspeed" and r.get("stage") == getattr(s, "stage", None) and r.get("offload_param", "none") == getattr(s, "offload_param", "none"):
+            return option
+        if s.name == "ddp":
+            return option
+    return OPTIONS[0] if s.name == "ddp" else next(o for o in OPTIONS if o.recipe["name"] == s.name)

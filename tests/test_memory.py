@@ -1,0 +1,67 @@
+"""The planner's arithmetic against the ZeRO paper's worked example, and its verdicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrun.memory import GB, OPTIONS, estimate, model_state_bytes, recommend
+from hpcrun.plan import plan
+from hpcrun.recipe import Recipe
+from hpcrun.site import load_site
+from tests.helpers import cli
+
+
+def option(name: str):  # type: ignore[no-untyped-def]
+    return next(o for o in OPTIONS if o.name == name)
+
+
+@pytest.mark.parametrize("name,expected_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)])
+def test_zero_paper_example(name: str, expected_gb: float) -> None:
+    """ZeRO paper, figure 1: 7.5B parameters on 64 GPUs with mixed-precision Adam."""
+    per_gpu, _ = model_state_bytes(7.5e9, 64, option(name), mixed=True)
+    assert per_gpu / GB == pytest.approx(expected_gb, rel=0.01)
+
+
+def test_fsdp_variants_match_their_zero_stages() -> None:
+    for fsdp, zero in (("fsdp-full", "zero3"), ("fsdp-grad_op", "zero2")):
+        assert model_state_bytes(1e9, 16, option(fsdp), True) == model_state_bytes(1e9, 16, option(zero), True)
+    hybrid, _ = model_state_bytes(1e9, 16, option("fsdp-hybrid"), True, per_node=8)
+    assert hybrid == pytest.approx(16e9 / 8)
+
+
+def spec_for(model: str, nodes: int, ckpt: bool = False):  # type: ignore[no-untyped-def]
+    recipe = Recipe.model_validate({
+        "name": "p", "job": {"kind": "benchmark", "model": model}, "precision": "bf16-mixed",
+        "resources": {"nodes": nodes, "gpus_per_node": 8, "time": "01:00:00"},
+        "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": ckpt},
+    })
+    return plan(load_site("mycluster"), recipe, "r.yaml", "id")
+
+
+def test_13b_on_one_node_needs_sharding() -> None:
+    verdicts = {e.option.name: e for e in estimate(spec_for("13b", 1, ckpt=True))}
+    assert not verdicts["ddp"].fits and "per GPU, has 80" in verdicts["ddp"].why
+    assert verdicts["zero3"].fits and verdicts["fsdp-full"].fits
+    best, why = recommend(list(verdicts.values()))
+    assert best is not None and best.option.name == "zero1"  # 4 + 12/8 bytes per parameter: 71.9 GB < 80
+    assert "least communication" in why
+
+
+def test_small_model_recommends_ddp() -> None:
+    best, why = recommend(estimate(spec_for("125m", 1)))
+    assert best is not None and best.option.name == "ddp"
+
+
+def test_activation_checkpointing_shrinks_activations() -> None:
+    from hpcrun.memory import activation_bytes
+
+    assert activation_bytes(spec_for("1.3b", 1, ckpt=True)) < activation_bytes(spec_for("1.3b", 1)) / 5
+
+
+def test_plan_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text("name: big\njob: {kind: benchmark, model: 13b}\nprecision: bf16-mixed\nresources: {nodes: 1, gpus_per_node: 8, time: '01:00:00'}\ntraining: {micro_batch: 1, seq_len: 2048, activation_checkpointing: true}\n")
+    out = cli("plan", "--site", "mycluster", str(recipe))
+    assert out.exit_code == 0, out.output
+    assert "ddp" in out.output and "no" in out.output and "recommended:" in out.output
+    assert "zero3-nvme" in out.output
