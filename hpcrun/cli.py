@@ -248,6 +248,46 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
     click.echo(f"submitted {len(out.submitted)} point(s); {out.already} already submitted; follow with: hpcrun status --site {site.name} {out.sweep_id}")
 
 
+@main.command()
+@site_option
+@click.option("--nodes", default=1, show_default=True, help="Nodes for the probe job.")
+@click.option("--login-only", is_flag=True, help="Only the login-node checks (about a second).")
+def doctor(site_name: str, nodes: int, login_only: bool) -> None:
+    """Check a site for real: scheduler view, account, test submission, then a probe job that
+    reports each rank's environment and the all-reduce bus bandwidth. Exit 1 on a failure."""
+    import sys as _sys
+
+    from hpcrun import backend
+    from hpcrun.doctor import login_checks, probe_findings, record, wait_for
+    from hpcrun.plan import new_run_id, plan
+    from hpcrun.recipe import Recipe
+    from hpcrun.render import render as render_script
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    part = site.partitions[site.default_partition]
+    ranks = min(part.max_ranks_per_node, 2) if not part.gpus_per_node else part.gpus_per_node
+    probe = Recipe.model_validate({
+        "name": "doctor", "resources": {"nodes": nodes, "gpus_per_node": ranks, "time": min(10, part.max_time)},
+        "job": {"kind": "command", "command": [site.environment.python or _sys.executable, "-m", "hpcrun.runtime.probe"]},
+    })
+    spec = plan(site, probe, site.source or site.name, new_run_id("doctor"))
+    findings = login_checks(site, render_script(spec))
+    for finding in findings:
+        click.echo(finding.line())
+    if not login_only and not any(f.status == "fail" for f in findings):
+        backend.prepare(spec)
+        job = backend.submit(spec)
+        click.echo(f"....  probe job {job} on {nodes} node(s) x {ranks} rank(s): {spec.run_dir}")
+        more = probe_findings(site, Path(spec.run_dir), wait_for(Path(spec.run_dir)))
+        record(site, Path(spec.run_dir), nodes)
+        for finding in more:
+            click.echo(finding.line())
+        findings += more
+    if any(f.status == "fail" for f in findings):
+        raise SystemExit(1)
+
+
 @main.command("plan")
 @site_option
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from hpcrun.plan import RunSpec
+from hpcrun.recipe import FSDP, DeepSpeed
 from hpcrun.sizes import SIZES
 
 GB = 1e9  # the paper's unit
@@ -122,14 +123,20 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
 def option_for(spec: RunSpec) -> Option:
     """The planner's option for the strategy the recipe asks for."""
     s = spec.recipe.strategy
-    for option in OPTIONS:
-        r = option.recipe
-        if r["name"] != s.name:
-            continue
-        if s.name == "fsdp" and r.get("sharding") == getattr(s, "sharding", None):
-            return option
-        if s.name == "deepspeed" and r.get("stage") == getattr(s, "stage", None) and r.get("offload_param", "none") == getattr(s, "offload_param", "none"):
-            return option
-        if s.name == "ddp":
-            return option
-    return OPTIONS[0] if s.name == "ddp" else next(o for o in OPTIONS if o.recipe["name"] == s.name)
+    if isinstance(s, FSDP):
+        name = {"full": "fsdp-full", "grad_op": "fsdp-grad_op", "hybrid": "fsdp-hybrid", "no_shard": "ddp"}[s.sharding]
+    elif isinstance(s, DeepSpeed):
+        offload = "nvme" if s.uses_nvme else "cpu" if "cpu" in (s.offload_param, s.offload_optimizer) else None
+        name = f"zero3-{offload}" if offload and s.stage == 3 else {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[s.stage]
+    else:
+        name = "ddp"
+    return next(o for o in OPTIONS if o.name == name)
+
+
+def misfit(spec: RunSpec) -> str | None:
+    """Why the recipe's own strategy will not fit its partition, or None (built-in model only)."""
+    if spec.recipe.job.kind != "benchmark":
+        return None
+    wanted = option_for(spec)
+    verdict = next(e for e in estimate(spec) if e.option == wanted)
+    return None if verdict.fits else f"planner: {wanted.name} {verdict.why}"

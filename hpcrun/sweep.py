@@ -74,6 +74,7 @@ def sweep_id(recipe_file: "RecipeFile", site: "Site") -> str:
 def points(site: "Site", recipe_file: "RecipeFile", sid: str) -> list[Point]:
     """Every point, planned on `site`; one that cannot run there is kept with the reason."""
     from hpcrun.errors import HpcrunError
+    from hpcrun.memory import misfit
     from hpcrun.plan import plan
 
     assert recipe_file.sweep is not None
@@ -82,7 +83,8 @@ def points(site: "Site", recipe_file: "RecipeFile", sid: str) -> list[Point]:
         pid = point_id(overrides)
         try:
             spec = plan(site, recipe_file.point(overrides), recipe_file.path, f"{sid}.{pid}", sweep_id=sid, point_id=pid)
-            result.append(Point(pid, overrides, spec))
+            reason = misfit(spec)
+            result.append(Point(pid, overrides, None if reason else spec, reason))
         except HpcrunError as exc:
             result.append(Point(pid, overrides, None, exc.message.split(": ", 1)[-1]))
     return result

@@ -53,6 +53,18 @@ def test_points_that_cannot_run_are_skipped_with_reason(tmp_path: Path) -> None:
     assert "must be <= 2" in {p.label: p.skipped for p in pts}["resources.nodes=3 strategy=ddp"]
 
 
+def test_planner_skips_points_that_do_not_fit(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "big", "job": {"kind": "benchmark", "model": "13b"}, "precision": "bf16-mixed",
+        "resources": {"gpus_per_node": 8, "time": "01:00:00"}, "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
+        "sweep": {"axes": {"strategy": ["ddp", {"name": "deepspeed", "stage": 3}]}},
+    }))
+    reasons = {p.label: p.skipped for p in points(load_site("mycluster"), load_recipe(recipe), "sid")}
+    assert reasons["strategy=ddp"] == "planner: ddp needs 206.9 GB per GPU, has 80"
+    assert reasons["strategy=name=deepspeed,stage=3"] is None
+
+
 def test_arrays_group_by_shape_and_split() -> None:
     recipe = load_recipe(ROOT / "jobs" / "gpt-strategies.yaml")
     specs = [p.spec for p in points(load_site("testcluster"), recipe, "sid") if p.spec]

@@ -1,0 +1,58 @@
+"""`hpcrun doctor` end to end: on the local site, on the real test cluster, and on a copy of
+the test site with a wrong interface, which must be caught with a clear finding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcrun.results import load
+from tests.runs import hpcrun, site_copy
+
+
+@pytest.mark.slow
+def test_doctor_local(tmp_path: Path) -> None:
+    site = site_copy(tmp_path)
+    out = hpcrun("doctor", "--site", str(site))
+    lines = out.stdout.splitlines()
+    assert any(l.startswith("ok    ranks: 2 ranks") for l in lines), out.stdout
+    assert any(l.startswith("ok    all-reduce: gloo bus bandwidth") for l in lines)
+    assert not any(l.startswith("fail") for l in lines)
+    row = load(tmp_path / "results", job_kind="doctor").iloc[0]
+    assert dict(row["extra"])["busbw_gbs_peak"] > 0
+
+
+@pytest.mark.cluster
+def test_doctor_on_the_cluster(tmp_path: Path) -> None:
+    site = site_copy(tmp_path, "testcluster")
+    out = hpcrun("doctor", "--site", str(site), "--nodes", "2")
+    lines = out.stdout.splitlines()
+    assert any(l.startswith("ok    partition batch: 2 nodes, 2 CPUs") for l in lines), out.stdout
+    assert any(l.startswith("ok    sbatch --test-only") for l in lines)
+    assert any(l.startswith("ok    ranks: 4 ranks on node1, node2 over hpc0") for l in lines), out.stdout
+    assert any("warn  bandwidth: no nominal figure" in l for l in lines)
+
+
+@pytest.mark.cluster
+def test_doctor_catches_a_wrong_interface(tmp_path: Path) -> None:
+    site = site_copy(tmp_path, "testcluster")
+    data = yaml.safe_load(site.read_text())
+    data["network"]["interface"] = "eth7"
+    site.write_text(yaml.safe_dump(data))
+    out = hpcrun("doctor", "--site", str(site), "--nodes", "2", check=False)
+    assert out.returncode == 1
+    assert "fail  rank 0 on node1: interface 'eth7' has no address there (it has lo, hpc0)" in out.stdout
+    assert f"set network.interface in {site}" in out.stdout
+
+
+@pytest.mark.cluster
+def test_doctor_catches_a_wrong_partition_size(tmp_path: Path) -> None:
+    site = site_copy(tmp_path, "testcluster")
+    data = yaml.safe_load(site.read_text())
+    data["partitions"]["batch"]["cpus_per_node"] = 64
+    site.write_text(yaml.safe_dump(data))
+    out = hpcrun("doctor", "--site", str(site), "--login-only", check=False)
+    assert out.returncode == 1
+    assert "fail  partition batch: cpus_per_node 64 but nodes have 2 -> set partitions.batch.cpus_per_node: 2" in out.stdout
