@@ -170,14 +170,6 @@ def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | N
     return [str(job.job_id) for job in jobs]
 
 
-def wait_local(run_dir: Path) -> None:
-    """Until a local run's controller has ended (local sweeps run their points in turn)."""
-    from hpcrun.status import statuses
-
-    while not statuses([run_dir])[0].done:
-        time.sleep(1)
-
-
 def record_job(run_dir: Path, job_id: str, scheduler: str, **extra: str) -> None:
     jobs = read_jobs(run_dir)
     jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time(), **extra})

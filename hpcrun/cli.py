@@ -167,22 +167,14 @@ def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
 
 
 def _wait(run_dirs: list[Path]) -> None:
-    import time as _time
+    from hpcrun.status import RunStatus, wait
 
-    from hpcrun.status import statuses
+    def show(current: list[RunStatus]) -> None:
+        line = "  ".join(f"{s.run_id}: {s.state}" + (f" (restarts {s.restarts})" if s.restarts else "") for s in current)
+        click.echo(line, err=True)
 
-    shown = ""
     try:
-        while True:
-            current = statuses(run_dirs)
-            line = "  ".join(f"{s.run_id}: {s.state}" + (f" (restarts {s.restarts})" if s.restarts else "") for s in current)
-            if line != shown:
-                click.echo(f"\r{line}", nl=False, err=True)
-                shown = line
-            if current and all(s.done for s in current):
-                click.echo("", err=True)
-                break
-            _time.sleep(2)
+        current = wait(run_dirs, on_change=show)
     except KeyboardInterrupt:
         click.echo(f"\nleft the job running; reattach with: hpcrun status {run_dirs[-1]}", err=True)
         raise SystemExit(130)
@@ -258,7 +250,8 @@ def doctor(site_name: str, nodes: int, login_only: bool) -> None:
     import sys as _sys
 
     from hpcrun import backend
-    from hpcrun.doctor import login_checks, probe_findings, record, wait_for
+    from hpcrun.doctor import login_checks, probe_findings, record
+    from hpcrun.status import wait
     from hpcrun.plan import new_run_id, plan
     from hpcrun.recipe import Recipe
     from hpcrun.render import render as render_script
@@ -279,7 +272,8 @@ def doctor(site_name: str, nodes: int, login_only: bool) -> None:
         backend.prepare(spec)
         job = backend.submit(spec)
         click.echo(f"....  probe job {job} on {nodes} node(s) x {ranks} rank(s): {spec.run_dir}")
-        more = probe_findings(site, Path(spec.run_dir), wait_for(Path(spec.run_dir)))
+        (ended,) = wait([Path(spec.run_dir)], timeout=600)
+        more = probe_findings(site, Path(spec.run_dir), ended.state)
         record(site, Path(spec.run_dir), nodes)
         for finding in more:
             click.echo(finding.line())

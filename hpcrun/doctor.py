@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from hpcrun.site import Site
@@ -145,15 +144,3 @@ def record(site: Site, run_dir: Path, spec_nodes: int) -> None:
         "end_time": dt.datetime.now(dt.timezone.utc), "torch_version": reports[0].get("torch"), "nccl_version": reports[0].get("nccl"),
         "extra": {f"busbw_gbs_{row['bytes']}": row["busbw_gbs"] for row in table} | {"busbw_gbs_peak": max(r["busbw_gbs"] for r in table)},
     })
-
-
-def wait_for(run_dir: Path, timeout: float = 600) -> str:
-    from hpcrun.status import statuses
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        state = statuses([run_dir])[0]
-        if state.done:
-            return state.state
-        time.sleep(1)
-    return "TIMEOUT"

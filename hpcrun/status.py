@@ -158,6 +158,24 @@ def _from_marker(mark: dict[str, tp.Any]) -> str:
     return {"completed": "COMPLETED", "failed": "FAILED", "stopped": "STOPPED", "requeued": "REQUEUED"}.get(mark.get("status", ""), "FAILED")
 
 
+def wait(run_dirs: list[Path], timeout: float | None = None, on_change: tp.Callable[[list[RunStatus]], None] | None = None) -> list[RunStatus]:
+    """Poll (one scheduler query per poll) until every run has ended or `timeout` passes;
+    `on_change` sees each new set of states. Returns the last states."""
+    import time
+
+    deadline = None if timeout is None else time.time() + timeout
+    shown: list[tuple[str, str, int]] = []
+    while True:
+        current = statuses(run_dirs)
+        key = [(s.run_id, s.state, s.restarts) for s in current]
+        if on_change and key != shown:
+            on_change(current)
+            shown = key
+        if (current and all(s.done for s in current)) or (deadline is not None and time.time() > deadline):
+            return current
+        time.sleep(1)
+
+
 def cancel(run_dir: Path) -> str:
     jobs = read_jobs(run_dir)
     if not jobs:

@@ -136,7 +136,7 @@ def schedule(site: "Site", recipe_file: "RecipeFile", dry_run: bool = False, ret
     from hpcrun import backend
     from hpcrun.ledger import Ledger
     from hpcrun.render import render
-    from hpcrun.status import statuses
+    from hpcrun.status import statuses, wait
 
     sid = sweep_id(recipe_file, site)
     root = Path(site.storage.runs_dir) / "sweeps" / sid
@@ -171,7 +171,7 @@ def schedule(site: "Site", recipe_file: "RecipeFile", dry_run: bool = False, ret
                 outcome.submitted.append((by_run[spec.run_id].label, job))
                 ledger.record(by_run[spec.run_id].point_id, label=by_run[spec.run_id].label, run_id=spec.run_id, job_id=job, state="submitted")
                 ledger.save()
-                backend.wait_local(Path(spec.run_dir))
+                wait([Path(spec.run_dir)])
         else:
             chunks, deferred = arrays(specs, *(limits() if not dry_run else (1001, None)))
             outcome.deferred = [by_run[s.run_id].label for s in deferred]

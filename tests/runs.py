@@ -14,6 +14,17 @@ from hpcrun.results import load
 from tests.helpers import ROOT
 
 
+STRATEGIES: dict[str, dict[str, tp.Any]] = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp", "sharding": "full"},
+    "zero1": {"name": "deepspeed", "stage": 1},
+    "zero2": {"name": "deepspeed", "stage": 2},
+    "zero3": {"name": "deepspeed", "stage": 3},
+    "zero3-cpu-offload": {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    "zero3-nvme-offload": {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
+}
+
+
 def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
     """`sites/<base>.yaml` with runs and results under `tmp` (and any top-level changes)."""
     data = yaml.safe_load((ROOT / "sites" / f"{base}.yaml").read_text())

@@ -7,19 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import hpcrun, losses, recipe, rows, run_dir_of, site_copy, state
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state
 
 pytestmark = pytest.mark.slow
 
-STRATEGIES = {
-    "ddp": {"name": "ddp"},
-    "fsdp": {"name": "fsdp", "sharding": "full"},
-    "zero1": {"name": "deepspeed", "stage": 1},
-    "zero2": {"name": "deepspeed", "stage": 2},
-    "zero3": {"name": "deepspeed", "stage": 3},
-    "zero3-cpu-offload": {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
-    "zero3-nvme-offload": {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
-}
 MEASURED = [
     "tokens_per_s", "tokens_per_s_per_gpu", "samples_per_s", "step_time_p50_s", "step_time_p95_s", "peak_memory_bytes",
     "parameters", "tflops_per_gpu", "mfu", "final_loss", "checkpoint_save_s", "checkpoint_stall_s", "start_time", "end_time",
