@@ -5,6 +5,7 @@ the cluster."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -13,11 +14,13 @@ import shutil
 import subprocess
 import sys
 import time
+import unittest.mock
 import uuid
 import typing as tp
 from pathlib import Path
 
 import submitit
+import submitit.local.local
 from submitit.core.utils import JobPaths
 from submitit.slurm.slurm import SlurmJob
 from submitit.core.utils import FailedJobError
@@ -92,8 +95,10 @@ class RenderedLocalExecutor(submitit.LocalExecutor):
         return f"bash {shlex.quote(str(self.script_path))}"
 
     def _submit_command(self, command: str) -> tp.Any:
-        """Start the controller with its own log instead of our stdout/stderr: inheriting them
-        would keep a caller's pipe (`hpcrun submit | tee`, a test) open until the job ends."""
+        """Start the controller detached, like a batch job: in its own session, so a Ctrl-C at
+        `hpcrun submit --wait` does not reach the ranks, and with its own log instead of our
+        stdout/stderr, which would keep a caller's pipe (`| tee`, a test) open until the job
+        ends. submitit's start_controller offers neither, hence the two patches around it."""
         log = os.open(self.script_path.parent / "logs" / "controller.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         saved = os.dup(1), os.dup(2)
         sys.stdout.flush()
@@ -101,7 +106,9 @@ class RenderedLocalExecutor(submitit.LocalExecutor):
         try:
             os.dup2(log, 1)
             os.dup2(log, 2)
-            return super()._submit_command(command)
+            detached = functools.partial(subprocess.Popen, start_new_session=True)
+            with unittest.mock.patch.object(submitit.local.local.subprocess, "Popen", detached):
+                return super()._submit_command(command)
         finally:
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)

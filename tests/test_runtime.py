@@ -90,3 +90,33 @@ def test_failing_rank_fails_the_job(tmp_path: Path) -> None:
     assert out.returncode == 1, out.stdout + out.stderr
     run_dir = run_dir_of(out)
     assert "exited with status 3 on rank 1" in state(run_dir)["reason"]
+
+
+def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT
+
+    site = site_copy(tmp_path)
+    rec = recipe(tmp_path, "long", training={"steps": 150, "lr": 0.003, "micro_batch": 2, "seq_len": 32})
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(site), "--wait", str(rec)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    runs = tmp_path / "runs"
+    deadline = time.time() + 120
+    while time.time() < deadline and not any((runs.glob("*/checkpoints/step-*") if runs.exists() else [])):
+        time.sleep(0.1)
+    os.killpg(cli.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130, out + err
+    assert "left the job running; reattach with: hpcrun status" in err
+    (run_dir,) = list(runs.iterdir())
+    deadline = time.time() + 180
+    while time.time() < deadline and not (run_dir / "state.json").exists():
+        time.sleep(0.5)
+    assert state(run_dir)["status"] == "completed" and len(losses(run_dir)) == 150
