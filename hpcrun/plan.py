@@ -13,7 +13,7 @@ import pydantic
 from hpcrun.errors import HpcrunError
 from hpcrun.fields import format_minutes
 from hpcrun.loader import Frozen
-from hpcrun.recipe import DeepSpeed, Recipe, RecipeFile
+from hpcrun.recipe import DDP, FSDP, DeepSpeed, Recipe, RecipeFile
 from hpcrun.site import Site
 from hpcrun.sweep import expand, point_id
 
@@ -94,8 +94,13 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
     if isinstance(strategy, DeepSpeed) and strategy.uses_nvme and site.storage.nvme is None:
         field = "strategy.offload_param" if strategy.offload_param == "nvme" else "strategy.offload_optimizer"
         raise HpcrunError(f"nvme offload needs storage.nvme in site {site.name!r}, which has none", where, field)
-    if recipe.precision == "fp16-mixed" and not part.gpus_per_node:
-        raise HpcrunError("fp16-mixed needs GPUs; use fp32 or bf16-mixed on a CPU partition", where, "precision")
+    if not part.gpus_per_node:  # what gloo on CPU cannot do, said before anything is submitted
+        if recipe.precision == "fp16-mixed":
+            raise HpcrunError("fp16-mixed needs GPUs; use fp32 or bf16-mixed on a CPU partition", where, "precision")
+        if isinstance(strategy, DDP) and strategy.comm_hook == "bf16":
+            raise HpcrunError("the bf16 compression hook needs NCCL (GPUs); use fp16 or powersgd on a CPU partition", where, "strategy.comm_hook")
+        if isinstance(strategy, FSDP) and strategy.cpu_offload:
+            raise HpcrunError("FSDP CPU offload moves parameters off a GPU; this partition has none", where, "strategy.cpu_offload")
     env = {**site.interconnect_env(), **recipe.env}
     lead = recipe.checkpoint.signal_lead_s or site.signal_lead_s
     try:

@@ -120,3 +120,25 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
     while time.time() < deadline and not (run_dir / "state.json").exists():
         time.sleep(0.5)
     assert state(run_dir)["status"] == "completed" and len(losses(run_dir)) == 150
+
+
+OPTIONS = {
+    "ddp-powersgd": ({"name": "ddp", "comm_hook": "powersgd"}, "fp32", False),
+    "ddp-fp16-hook-static": ({"name": "ddp", "comm_hook": "fp16", "static_graph": True}, "fp32", False),
+    "ddp-bf16-actckpt": ({"name": "ddp"}, "bf16-mixed", True),
+    "fsdp-hybrid-bf16": ({"name": "fsdp", "sharding": "hybrid"}, "bf16-mixed", False),
+    "fsdp-grad_op-post": ({"name": "fsdp", "sharding": "grad_op", "backward_prefetch": "post"}, "fp32", True),
+    "fsdp-meta-init": ({"name": "fsdp", "meta_init": True}, "fp32", False),
+    "zero2-cpu-offload-bf16": ({"name": "deepspeed", "stage": 2, "offload_optimizer": "cpu"}, "bf16-mixed", False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_strategy_options_train(name: str, tmp_path: Path) -> None:
+    strategy, precision, act_ckpt = OPTIONS[name]
+    site = site_copy(tmp_path)
+    rec = recipe(tmp_path, name, strategy=strategy, precision=precision, training={"steps": 6, "lr": 0.003, "activation_checkpointing": act_ckpt})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
+    curve = losses(run_dir)
+    assert state(run_dir)["status"] == "completed" and len(curve) == 6
+    assert curve[-1] < curve[0] - 0.05 and all(c < 7 for c in curve), curve  # sane init, learning

@@ -80,6 +80,21 @@ def test_recipe_rules(name: str, edit: tp.Callable[..., None], expected: str, tm
     assert expected in line, line
 
 
+@pytest.mark.parametrize(
+    "strategy,field,words",
+    [
+        ({"name": "ddp", "comm_hook": "bf16"}, "strategy.comm_hook", "the bf16 compression hook needs NCCL"),
+        ({"name": "fsdp", "cpu_offload": True}, "strategy.cpu_offload", "FSDP CPU offload moves parameters off a GPU"),
+    ],
+)
+def test_gpu_only_options_on_a_cpu_partition(strategy: dict, field: str, words: str, tmp_path: Path) -> None:
+    recipe = write_yaml(tmp_path / "r.yaml", {**RECIPE, "strategy": strategy})
+    result = cli("validate", "--site", "testcluster", str(recipe))
+    assert result.exit_code == 2
+    assert f"{recipe}: {field}: {words}" in result.output
+    assert cli("validate", "--site", "mycluster", str(recipe)).exit_code == 0  # fine where there are GPUs
+
+
 def test_nvme_offload_without_nvme(tmp_path: Path) -> None:
     result = cli("render", "--site", "slingshot", "jobs/zero-infinity.yaml")
     assert result.exit_code == 2

@@ -46,15 +46,20 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation; also what meta-device initialisation calls after `to_empty`."""
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.size.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
+        for name, module in self.named_modules():
+            self.init_module(name, module)
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """GPT-2 initialisation of one module's own parameters (residual projections scaled by
+        1/sqrt(2L)); meta-device initialisation calls it module by module."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * self.size.layers) if name.endswith(("proj", "out")) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)

@@ -176,7 +176,9 @@ def _fsdp(model: nn.Module, recipe: Recipe, strategy: FSDP, env: DistEnv) -> nn.
     param_init = None
     if strategy.meta_init and any(p.is_meta for p in model.parameters()):
         # each wrapped unit is materialised on the device just before it is sharded
-        param_init = functools.partial(_materialise, device=env.device)
+        names = {id(m): n for n, m in model.named_modules()}
+        init = getattr(model, "init_module", None)
+        param_init = functools.partial(_materialise, device=env.device, init=(lambda m: init(names[id(m)], m)) if init else None)
     return FSDPModule(
         model,
         sharding_strategy=sharding,
@@ -190,12 +192,15 @@ def _fsdp(model: nn.Module, recipe: Recipe, strategy: FSDP, env: DistEnv) -> nn.
     )
 
 
-def _materialise(module: nn.Module, device: torch.device) -> None:
+def _materialise(module: nn.Module, device: torch.device, init: tp.Callable[[nn.Module], None] | None) -> None:
+    """FSDP calls this for every module still on the meta device; it must set up only that
+    module's own parameters: with the model's own `init_module` when it has one (the built-in
+    GPT does), else with a leaf layer's default `reset_parameters`."""
     module.to_empty(device=device, recurse=False)
-    for child in module.modules():
-        reset = getattr(child, "reset_parameters", None)
-        if callable(reset) and not any(p.is_meta for p in child.parameters()):
-            reset()
+    if init is not None:
+        init(module)
+    elif callable(getattr(module, "reset_parameters", None)) and not any(True for _ in module.children()):
+        module.reset_parameters()
 
 
 def deepspeed_config(recipe: Recipe, strategy: DeepSpeed, nvme_dir: str | None) -> dict[str, tp.Any]:
