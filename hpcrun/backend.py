@@ -42,14 +42,19 @@ class RenderedSlurmExecutor(submitit.SlurmExecutor):
 
     def __init__(self, spec: RunSpec, script: str, dependency: str | None = None, folder: Path | None = None) -> None:
         super().__init__(folder=folder or spec.log_folder, python=python_command(spec))
+        self.spec = spec
         self.script = script
         self.dependency = dependency
         # only what submitit itself reads back: the task count and the timeout bookkeeping
         self.update_parameters(nodes=spec.nodes, ntasks_per_node=spec.ranks_per_node, time=spec.time_min)
 
+    @property
+    def _submitit_command_str(self) -> str:
+        return task_command(self.spec, self.folder)
+
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        if command != self._submitit_command_str:  # the template's launch line must be submitit's
-            raise RuntimeError(f"submitit command {command!r} differs from the rendered one")
+        if command not in self.script:  # the template's launch line must be the one submitit runs
+            raise RuntimeError(f"task command {command!r} is not in the rendered script")
         return self.script
 
     def _internal_process_submissions(self, delayed_submissions: list[tp.Any]) -> list[tp.Any]:

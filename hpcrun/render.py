@@ -42,9 +42,9 @@ def python_command(spec: RunSpec) -> str:
 
 
 def task_command(spec: RunSpec, folder: Path | None = None) -> str:
-    """submitit's own task entry point on the job's pickle folder (the same string submitit
-    builds in `_submitit_command_str`)."""
-    return " ".join([python_command(spec), "-u -m submitit.core._submit", shlex.quote(str(folder or spec.log_folder))])
+    """The task entry point on the job's pickle folder: submitit's `_submit` behind hpcrun's
+    launcher, which installs the stop flag first (see hpcrun.launch)."""
+    return " ".join([python_command(spec), "-u -m hpcrun.launch", shlex.quote(str(folder or spec.log_folder))])
 
 
 def template_name(spec: RunSpec) -> tuple[str | None, str]:

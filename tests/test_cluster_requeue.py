@@ -65,11 +65,13 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
 def test_time_limit_requeues_until_done(shared: Path) -> None:
     """A job whose work outlasts its 1-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    long = {**TRAINING, "steps": 800}
+    long = {**TRAINING, "steps": 1500}
+    # SLURM signals once the time left is within lead + its 30 s check period: with 2 minutes
+    # and a 30 s lead, USR2 comes 30-60 s into each attempt
     run_dir, job = submit(
         shared, "timelimit",
-        resources={"nodes": 1, "gpus_per_node": 2, "time": "00:01:00"},
-        checkpoint={**CHECKPOINT, "signal_lead_s": 45},
+        resources={"nodes": 1, "gpus_per_node": 2, "time": "00:02:00"},
+        checkpoint={**CHECKPOINT, "signal_lead_s": 30},
         training=long,
     )
     whole = run_dir_of(hpcrun("submit", "--site", str(site_copy(shared)), "--wait", str(recipe(shared, "timelimit-whole", training=long, checkpoint=CHECKPOINT))))

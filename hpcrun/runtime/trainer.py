@@ -28,28 +28,10 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import strategies
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.metrics import Measurements, peak_memory_bytes, summarise
+from hpcrun.signals import FLAG, SignalFlag
 from hpcrun.sizes import SIZES
 
 log = logging.getLogger("hpcrun")
-
-
-class SignalFlag:
-    """USR2 (ahead of the time limit) and SIGTERM (preemption, scancel) only set a flag: a
-    collective checkpoint cannot run inside a handler on one rank. A child process (command
-    jobs) gets the signal forwarded so it can do the same."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.child: subprocess.Popen[bytes] | None = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: tp.Any) -> None:
-        self.signum = signum
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
 
 
 class Context:
@@ -196,8 +178,8 @@ def main(spec_path: str) -> dict[str, tp.Any]:
     spec = RunSpec.model_validate_json(Path(spec_path).read_text())
     os.environ.update(HPCRUN_RUN_DIR=spec.run_dir, HPCRUN_RUN_ID=spec.run_id)  # per point, also in an array
     env = from_scheduler()
-    flag = SignalFlag()
-    flag.install()  # replaces submitit's handlers: ours stop at a step boundary, collectively
+    flag = FLAG
+    flag.install()  # already done by hpcrun.launch; again in case the task was started otherwise
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
         init_process_group(env)
     ctx = Context(spec, env, flag)

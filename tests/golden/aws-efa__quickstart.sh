@@ -37,4 +37,4 @@ export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
-  python -u -m submitit.core._submit /fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs
+  python -u -m hpcrun.launch /fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs

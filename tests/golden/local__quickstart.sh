@@ -16,4 +16,4 @@ export HPCRUN_RUN_ID=20260101-000000-0000-golden
 export MASTER_ADDR=127.0.0.1
 export MASTER_PORT=$((20000 + SUBMITIT_LOCAL_JOB_ID % 20000))
 
-exec /usr/bin/python3 -u -m submitit.core._submit /home/golden/hpcrun/runs/20260101-000000-0000-golden/logs
+exec /usr/bin/python3 -u -m hpcrun.launch /home/golden/hpcrun/runs/20260101-000000-0000-golden/logs

@@ -18,4 +18,4 @@ export MASTER_PORT=$((20000 + SUBMITIT_LOCAL_JOB_ID % 20000))
 export HPCRUN_NVME_DIR=/tmp/hpcrun-nvme/hpcrun-"$SUBMITIT_LOCAL_JOB_ID"
 mkdir -p "$HPCRUN_NVME_DIR"
 
-exec /usr/bin/python3 -u -m submitit.core._submit /home/golden/hpcrun/runs/20260101-000000-0000-golden/logs
+exec /usr/bin/python3 -u -m hpcrun.launch /home/golden/hpcrun/runs/20260101-000000-0000-golden/logs

@@ -43,4 +43,4 @@ export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
-  python -u -m submitit.core._submit /scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs
+  python -u -m hpcrun.launch /scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs

@@ -43,4 +43,4 @@ export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
-  python -u -m submitit.core._submit /pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs
+  python -u -m hpcrun.launch /pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs

@@ -32,4 +32,4 @@ export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  /usr/bin/python3 -u -m submitit.core._submit /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs
+  /usr/bin/python3 -u -m hpcrun.launch /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs

@@ -37,4 +37,4 @@ trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$HPCRUN_N
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  /usr/bin/python3 -u -m submitit.core._submit /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs
+  /usr/bin/python3 -u -m hpcrun.launch /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs
