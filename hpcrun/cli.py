@@ -301,8 +301,12 @@ def plan_command(site_name: str, recipe: Path) -> None:
     spec = plan(site, recipe_file.base, recipe, "plan")
     rows = estimate(spec)
     click.echo(f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} ({spec.recipe.precision}):")  # type: ignore[union-attr]
-    table = [[e.option.name, f"{e.gpu_gb:.1f}", f"{e.cpu_gb_per_node:.0f}", f"{e.nvme_gb_per_node:.0f}", "yes" if e.fits else "no", "" if e.fits else e.why] for e in rows]
-    click.echo(tabulate(table, headers=["strategy", "GPU GB", "host GB/node", "NVMe GB/node", "fits", "why not"], tablefmt="simple"))
+    table = [
+        [e.option.name, f"{e.gpu_gb:.1f}", "" if e.deepspeed_gpu_gb is None else f"{e.deepspeed_gpu_gb:.1f}", f"{e.cpu_gb_per_node:.0f}", f"{e.nvme_gb_per_node:.0f}", "yes" if e.fits else "no", "" if e.fits else e.why]
+        for e in rows
+    ]
+    headers = ["strategy", "GPU GB", "DeepSpeed est. states GB", "host GB/node", "NVMe GB/node", "fits", "why not"]
+    click.echo(tabulate(table, headers=headers, tablefmt="simple"))
     best, why = recommend(rows)
     click.echo(f"recommended: {why}" if best else why)
 

@@ -58,6 +58,22 @@ def model_state_bytes(params: float, n: int, option: Option, mixed: bool, per_no
     return weights + grads + optim, 0.0
 
 
+def deepspeed_estimate(params: int, largest_layer: int, per_node: int, nodes: int, option: Option, buffer: float = 1.5) -> tuple[float, float] | None:
+    """(host bytes per node, GPU bytes) by DeepSpeed's own cold estimators
+    (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs` with
+    zero_init), re-stated here so a login node need not import deepspeed. They count fp32
+    gradient partitions (2+4+4+8 = 18 bytes) and, for ZeRO-3, the largest layer's fp32 copy.
+    None where they do not apply (DDP, FSDP, ZeRO-1, NVMe offload)."""
+    gpus = per_node * nodes
+    if option.name == "zero2":
+        return params * 4 * per_node * buffer, 2 * params + int(18 * params / gpus)
+    if option.name == "zero3":  # with zero_init only the largest layer passes through host memory
+        return largest_layer * 4 * per_node * buffer, 4 * largest_layer + int(18 * params / gpus)
+    if option.name == "zero3-cpu":
+        return params * 18 / nodes * buffer, 4 * largest_layer
+    return None
+
+
 def activation_bytes(spec: RunSpec) -> float:
     """Activations of the built-in GPT for one micro-batch, plus the fp32 logits of the loss."""
     t = spec.recipe.training
@@ -76,6 +92,7 @@ class Estimate:
     nvme_gb_per_node: float
     fits: bool
     why: str
+    deepspeed_gpu_gb: float | None = None  # DeepSpeed's own estimate of model states, where it applies
 
 
 def estimate(spec: RunSpec) -> list[Estimate]:
@@ -91,10 +108,13 @@ def estimate(spec: RunSpec) -> list[Estimate]:
     host_cap = part.memory_gb * GB
     nvme = spec.site.storage.nvme
     out = []
+    largest = max(size.vocab * size.hidden, 4 * size.hidden * size.hidden)
     for option in OPTIONS:
         on_gpu, moved = model_state_bytes(params, n, option, mixed, per_node)
-        gpu = on_gpu + activations
-        cpu = moved * per_node if option.offload == "cpu" else 0.0
+        ds = deepspeed_estimate(params, largest, per_node, spec.nodes, option)
+        # fit against the larger of the two accountings: DeepSpeed's counts what it allocates
+        gpu = max(on_gpu, ds[1] if ds else 0.0) + activations
+        cpu = max(moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0)
         disk = moved * per_node if option.offload == "nvme" else 0.0
         problems = []
         if gpu > gpu_cap:
@@ -103,7 +123,7 @@ def estimate(spec: RunSpec) -> list[Estimate]:
             problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}")
         if option.offload == "nvme" and (nvme is None or disk > nvme.size_gb * GB):
             problems.append("no storage.nvme in the site" if nvme is None else f"needs {disk / GB:.0f} GB NVMe per node, has {nvme.size_gb:.0f}")
-        out.append(Estimate(option, gpu / GB, cpu / GB, disk / GB, not problems, "; ".join(problems) or "fits"))
+        out.append(Estimate(option, gpu / GB, cpu / GB, disk / GB, not problems, "; ".join(problems) or "fits", ds[1] / GB if ds else None))
     return out
 
 

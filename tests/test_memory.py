@@ -65,3 +65,20 @@ def test_plan_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert out.exit_code == 0, out.output
     assert "ddp" in out.output and "no" in out.output and "recommended:" in out.output
     assert "zero3-nvme" in out.output
+
+
+@pytest.mark.parametrize("params,largest,per_node,nodes", [(7_500_000_000, 200_000_000, 8, 8), (1_300_000_000, 103_000_000, 4, 2), (125_000_000, 38_000_000, 2, 1)])
+def test_deepspeed_estimators_agree(params: int, largest: int, per_node: int, nodes: int) -> None:
+    """Our torch-free restatement equals DeepSpeed's own cold estimators."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from hpcrun.memory import deepspeed_estimate
+
+    cpu, gpu = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=False)
+    assert deepspeed_estimate(params, largest, per_node, nodes, option("zero2")) == pytest.approx((cpu, gpu), rel=1e-9)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    assert deepspeed_estimate(params, largest, per_node, nodes, option("zero3")) == pytest.approx((cpu, gpu), rel=1e-9)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True)
+    assert deepspeed_estimate(params, largest, per_node, nodes, option("zero3-cpu")) == pytest.approx((cpu, gpu), rel=1e-9)
+    assert deepspeed_estimate(params, largest, per_node, nodes, option("ddp")) is None
