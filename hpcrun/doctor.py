@@ -107,6 +107,9 @@ def probe_findings(site: Site, run_dir: Path, job_state: str) -> list[Finding]:
         return found
     nodes = sorted({r["node"] for r in reports})
     found.append(Finding("ok", "ranks", f"{len(reports)} ranks on {', '.join(nodes)} over {iface} ({', '.join(sorted({r['address'] for r in reports}))})"))
+    for r in reports:
+        gpus = r["visible_gpus"] or "none"
+        found.append(Finding("ok", f"rank {r['rank']}", f"{r['node']} {iface}={r['address']} master {r['master']} GPUs {gpus} torch {r['torch']} {r['backend']}" + (f" NCCL {r['nccl']}" if r.get("nccl") else "")))
     compute = sorted(r["compute_s"] for r in reports)
     median = compute[len(compute) // 2]
     for r in reports:

@@ -108,9 +108,13 @@ def _unique(data: pa.Table) -> pa.Table:
 
 
 def load(results_dir: str | Path, **filters: tp.Any) -> "pd.DataFrame":
-    """All results under `results_dir` as a DataFrame with the schema's dtypes. A file that is
-    truncated or not ours is reported (warning) and skipped. `filters` are column=value (or a
-    list of values) equalities."""
+    """All results under `results_dir` (a directory, or a site name: its results directory) as
+    a DataFrame with the schema's dtypes. A file that is truncated or not ours is reported
+    (warning) and skipped. `filters` are column=value (or a list of values) equalities."""
+    if not Path(results_dir).is_dir() and isinstance(results_dir, str) and os.sep not in results_dir:
+        from hpcrun.site import load_site
+
+        results_dir = load_site(results_dir).results_dir
     for attempt in range(5):
         try:
             data = read(files(results_dir))

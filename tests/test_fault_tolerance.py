@@ -21,7 +21,7 @@ from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy
 pytestmark = pytest.mark.slow
 
 FT_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-TRAINING = {"steps": 100, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+TRAINING = {"steps": 60, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 
 
 def controller(run_dir: Path) -> int:
@@ -156,6 +156,9 @@ def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             assert ckpt.latest(cps.root)[0] == 3
             assert not list(cps.root.glob(".tmp-*"))
             shutil.rmtree(ckpt.step_dir(cps.root, 3))
+        for step in (4, 5, 6):  # keep=2: older complete checkpoints go once a newer one is visible
+            cps.save(engine, step, {"step": step})
+        assert [s for s, _ in ckpt.complete(cps.root)] == [5, 6]
     finally:
         dist.destroy_process_group()
 
@@ -181,9 +184,11 @@ def test_checkpoint_loads_at_another_world_size(name: str, tmp_path: Path) -> No
         assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_consolidate_zero3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_consolidate(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, "z3", strategy=STRATEGIES["zero3"], training={"steps": 4}, checkpoint={"interval": 4, "export_final": True}))))
+    rec = recipe(tmp_path, name, strategy=STRATEGIES[name], training={"steps": 4}, checkpoint={"interval": 4, "export_final": True})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     out = hpcrun("checkpoint", "consolidate", "--site", str(site), run_dir.name)
     assert out.stdout.split()[-1] == weights(run_dir)  # the same weights the job ended with
     assert (run_dir / "consolidated-step-00000004.pt").exists()

@@ -142,3 +142,19 @@ def test_strategy_options_train(name: str, tmp_path: Path) -> None:
     curve = losses(run_dir)
     assert state(run_dir)["status"] == "completed" and len(curve) == 6
     assert curve[-1] < curve[0] - 0.05 and all(c < 7 for c in curve), curve  # sane init, learning
+
+
+def test_deepspeed_config_from_a_users_json(tmp_path: Path) -> None:
+    import json
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "zero_force_ds_cpu_optimizer": False,
+        "train_micro_batch_size_per_gpu": 99, "steps_per_print": 1000000,
+    }))
+    site = site_copy(tmp_path)
+    rec = recipe(tmp_path, "userjson", strategy={"name": "deepspeed", "config": str(config)}, training={"steps": 4, "lr": 0.003, "micro_batch": 2})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
+    assert state(run_dir)["status"] == "completed"
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.*"))
+    assert '"train_micro_batch_size_per_gpu": 2' in log or "train_micro_batch_size_per_gpu ...... 2" in log

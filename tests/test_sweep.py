@@ -120,3 +120,22 @@ def test_ten_concurrent_sweeps_submit_each_point_once(tmp_path: Path) -> None:
     assert sorted(e["job_id"].split("_")[1] for e in ledger.values()) == ["0", "0", "1", "1", "2", "2", "3", "3"]
     run_dirs = [tmp_path / "runs" / e["run_id"] for e in ledger.values()]
     assert all((d / "script.sh").read_text().count("#SBATCH --array=0-3%4") == 1 for d in run_dirs)
+
+
+def test_retry_failed_resubmits_only_failed_points(tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    fake_tools(
+        bindir, sbatch=FAKE_SBATCH, srun="exit 0", scontrol='echo "MaxArraySize            = 1001"', sacctmgr="exit 0", squeue="exit 0",
+        # the first array's task 1 failed, everything else completed
+        sacct='for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do s=COMPLETED; [ "$j" = 101_1 ] && s=FAILED; echo "$j|$s|node1|5|None"; done',
+    )
+    site = site_copy(tmp_path, "testcluster")
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "hpcrun.cli", "sweep", "--site", str(site), "jobs/gpt-strategies.yaml"]
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert "submitted 8 point(s)" in first.stdout, first.stderr
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert "submitted 0 point(s)" in again.stdout
+    retry = subprocess.run(cmd + ["--retry-failed"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert "submitted 1 point(s); 7 already submitted" in retry.stdout, retry.stdout + retry.stderr
+    assert len((tmp_path / "submitted").read_text().splitlines()) == 9
