@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state
+from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TRAINING = {"steps": 300, "lr": 0.003, "micro_batch": 2, "seq_len": 32}

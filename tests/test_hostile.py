@@ -5,7 +5,6 @@ carries no extra #SBATCH directive."""
 
 from __future__ import annotations
 
-import os
 import stat
 import subprocess
 import typing as tp

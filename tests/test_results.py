@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import multiprocessing
-import os
 import random
 import time
 import uuid
@@ -16,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hpcrun.results import COLUMNS, SCHEMA, compact, files, load, table, write_attempt
+from hpcrun.results import COLUMNS, compact, files, load, table, write_attempt
 from tests.helpers import cli
 
 
