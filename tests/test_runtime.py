@@ -156,5 +156,6 @@ def test_deepspeed_config_from_a_users_json(tmp_path: Path) -> None:
     rec = recipe(tmp_path, "userjson", strategy={"name": "deepspeed", "config": str(config)}, training={"steps": 4, "lr": 0.003, "micro_batch": 2})
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     assert state(run_dir)["status"] == "completed"
-    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.*"))
-    assert '"train_micro_batch_size_per_gpu": 2' in log or "train_micro_batch_size_per_gpu ...... 2" in log
+    used = json.loads((run_dir / "deepspeed-config.json").read_text())
+    assert used["zero_optimization"] == {"stage": 1} and used["gradient_clipping"] == 0.5  # the user's
+    assert used["train_micro_batch_size_per_gpu"] == 2 and used["train_batch_size"] == 4  # the recipe's batch wins

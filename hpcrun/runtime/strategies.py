@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import typing as tp
 from pathlib import Path
 
@@ -240,5 +241,8 @@ def _deepspeed(model: nn.Module, make_optimizer: OptimizerFactory, recipe: Recip
         Path(nvme_dir).mkdir(parents=True, exist_ok=True)
     config = deepspeed_config(recipe, strategy, nvme_dir)
     config["train_batch_size"] = recipe.training.micro_batch * recipe.training.grad_accum * dist.get_world_size()
+    run_dir = os.environ.get("HPCRUN_RUN_DIR")
+    if run_dir and env.is_main:  # what DeepSpeed was really given, beside the run's other provenance
+        (Path(run_dir) / "deepspeed-config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     engine, _, _, _ = deepspeed.initialize(model=model.to(env.device), optimizer=make_optimizer, config=config)
     return DeepSpeedEngine(engine)
