@@ -45,7 +45,7 @@ def main() -> None:
             "strategy": ["ddp", {"name": "fsdp"}, {"name": "deepspeed", "stage": 2}, {"name": "deepspeed", "stage": 3}],
             "resources.nodes": [1, 2, 4, 8, 16],
             "training.micro_batch": [1, 2, 4, 8, 16],
-            "training.seq_len": [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536],
+            "training.seed": list(range(10)),
         }, "max_concurrent": 50},
     }
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))

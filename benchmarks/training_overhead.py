@@ -29,10 +29,12 @@ def bare(rank: int, world: int, model: str, steps: int, warmup: int, mb: int, se
     from hpcrun.runtime.model import GPT, synthetic_batch
     from hpcrun.sizes import SIZES
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # what the local site profile gives hpcrun's ranks
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # hpcrun's share of cores per rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     size = SIZES[model]
-    ddp = DistributedDataParallel(GPT(size, seq))
+    ddp = DistributedDataParallel(GPT(size, seq), gradient_as_bucket_view=True)  # as hpcrun's default, so only the harness differs
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     times = []
     for step in range(steps):

@@ -33,3 +33,13 @@ def test_launcher_replaces_submitit_handlers() -> None:
     )
     out = subprocess.run([sys.executable, "-c", "import hpcrun.signals\n" + code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "True", out.stderr
+
+
+def test_cpu_ranks_share_the_cores() -> None:
+    import os
+
+    from hpcrun.runtime.env import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(1) == cores
+    assert cpu_threads(cores) == 1 and cpu_threads(cores * 4) == 1

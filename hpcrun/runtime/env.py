@@ -53,6 +53,9 @@ def _env(rank: int, local_rank: int, world: int, job_id: str) -> DistEnv:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a node's cores must not oversubscribe them
+            local_ranks = int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")).split("(")[0])
+            torch.set_num_threads(cpu_threads(local_ranks))
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -63,6 +66,12 @@ def _env(rank: int, local_rank: int, world: int, job_id: str) -> DistEnv:
         job_id=job_id,
         node_list=os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename),
     )
+
+
+def cpu_threads(local_ranks: int) -> int:
+    """Intra-op threads for one of `local_ranks` CPU ranks: an equal share of the cores this
+    process may run on (its affinity, which SLURM narrows to the task's CPUs)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
 
 
 def init_process_group(env: DistEnv) -> None:
