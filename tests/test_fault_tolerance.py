@@ -133,29 +133,27 @@ def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(io, "open", counted(real_open))  # pathlib's Path.open, which DCP uses
         monkeypatch.setattr(os, "rename", counted(real_rename))
         monkeypatch.setattr(os, "replace", counted(real_replace))
-        ops["kill_at"] = -1
-        ops["n"] = 0
-        cps.save(engine, 2, {"step": 2})  # count the operations of one whole save
-        total = ops["n"]
-        assert total >= 4, total
-        for kill_at in range(1, total + 1):
+        kills = 0
+        for kill_at in range(1, 500):  # DCP's writer threads vary the count: kill until a save survives
             shutil.rmtree(ckpt.step_dir(cps.root, 2), ignore_errors=True)
             ops.update(n=0, kill_at=kill_at)
-            with pytest.raises((Killed, CheckpointException)):  # DCP wraps what its writers raise
+            try:
                 cps.save(engine, 2, {"step": 2})
-            ops["kill_at"] = -1
+                break
+            except (Killed, CheckpointException):  # DCP wraps what its writers raise
+                kills += 1
+            finally:
+                ops["kill_at"] = -1
             latest = ckpt.latest(cps.root)
             assert latest is not None and latest[0] in (1, 2)
-            if latest[0] == 2:  # only once the manifest and rename are done
-                assert kill_at > total - 2, f"a partial checkpoint became visible (killed at {kill_at}/{total})"
-            else:
-                assert latest[0] == 1
-            state_ = cps.load(engine, latest[1])
+            state_ = cps.load(engine, latest[1])  # whatever is visible is whole: it loads
             assert state_["step"] == latest[0]
             cps.save(engine, 3, {"step": 3})  # the next save succeeds over the leftovers
             assert ckpt.latest(cps.root)[0] == 3
             assert not list(cps.root.glob(".tmp-*"))
             shutil.rmtree(ckpt.step_dir(cps.root, 3))
+        assert kills >= 4, kills  # the save really was cut at several points
+        assert ckpt.latest(cps.root)[0] == 2
         for step in (4, 5, 6):  # keep=2: older complete checkpoints go once a newer one is visible
             cps.save(engine, step, {"step": step})
         assert [s for s, _ in ckpt.complete(cps.root)] == [5, 6]
