@@ -65,7 +65,7 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
 def test_time_limit_requeues_until_done(shared: Path) -> None:
     """A job whose work outlasts its 1-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    long = {**TRAINING, "steps": 1000}
+    long = {**TRAINING, "steps": 4000}  # ~70 s of training: more than one attempt's 30-60 s
     # SLURM signals once the time left is within lead + its 30 s check period: with 2 minutes
     # and a 30 s lead, USR2 comes 30-60 s into each attempt
     run_dir, job = submit(
