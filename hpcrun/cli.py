@@ -151,7 +151,7 @@ def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str 
         if dry_run:
             click.echo(f"dry run: {run_dir / backend.SCRIPT_FILE}")
             continue
-        dependency = f"{spec.recipe.name and _dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None
+        dependency = f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None  # stages run in order
         job_id = backend.submit(spec, dependency)
         previous = job_id
         submitted.append(run_dir)
