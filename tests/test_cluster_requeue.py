@@ -65,9 +65,9 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
 def test_time_limit_requeues_until_done(shared: Path) -> None:
     """A job whose work outlasts its 1-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    long = {**TRAINING, "steps": 4000}  # ~70 s of training: more than one attempt's 30-60 s
-    # SLURM signals once the time left is within lead + its 30 s check period: with 2 minutes
-    # and a 30 s lead, USR2 comes 30-60 s into each attempt
+    long = {**TRAINING, "steps": 8000}  # ~110 s of training: past the 60-90 s where USR2 comes
+    # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
+    # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
         shared, "timelimit",
         resources={"nodes": 1, "gpus_per_node": 2, "time": "00:02:00"},
