@@ -85,7 +85,7 @@ def test_command_example(tmp_path: Path) -> None:
 
 def test_failing_rank_fails_the_job(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
-    rec = recipe(tmp_path, "broken", job={"kind": "command", "command": ["python", "-c", "import os,sys; sys.exit(3 if os.environ['RANK']=='1' else 0)"]})
+    rec = recipe(tmp_path, "broken", job={"kind": "command", "command": ["python", "-c", "import os,sys,time; r=os.environ['RANK']; time.sleep(2 if r=='0' else 0); sys.exit(3 if r=='1' else 0)"]})  # rank 0 ends well, after rank 1 failed
     out = hpcrun("submit", "--site", str(site), "--wait", str(rec), check=False)
     assert out.returncode == 1, out.stdout + out.stderr
     run_dir = run_dir_of(out)

@@ -287,9 +287,19 @@ def write_marker(run_dir: Path, state: dict[str, tp.Any]) -> None:
     """`state.json`: what `hpcrun status` reports where the scheduler no longer knows the job."""
     import json
 
-    tmp = run_dir / f".state-{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state))
-    tmp.replace(run_dir / "state.json")
+    from filelock import FileLock
+
+    with FileLock(str(run_dir / ".state.lock")):
+        try:
+            current = json.loads((run_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            current = {}
+        same_attempt = (current.get("job_id"), current.get("restart_count")) == (state["job_id"], state["restart_count"])
+        if same_attempt and current.get("status") == "failed":  # one failed rank fails the attempt,
+            return  # whatever the ranks that finished write after it
+        tmp = run_dir / f".state-{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(run_dir / "state.json")
 
 
 def _hash(text: str) -> str:
