@@ -131,6 +131,11 @@ def prepare(spec: RunSpec, script: str | None = None) -> Path:
     return run_dir
 
 
+def require_sbatch(spec: RunSpec) -> None:
+    if shutil.which("sbatch") is None:
+        raise SubmissionError(f"sbatch is not on PATH: site {spec.site.name!r} needs a SLURM login node")
+
+
 def submit(spec: RunSpec, dependency: str | None = None) -> str:
     """Submit a prepared run; returns the job id. A refused submission leaves no run directory
     that looks live: it is removed, and the scheduler's own message is raised."""
@@ -143,8 +148,7 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
             # SLURM counts restarts itself; locally each resubmission of the run is one
             os.environ["HPCRUN_RESTART_COUNT"] = str(len(read_jobs(run_dir)))
         else:
-            if shutil.which("sbatch") is None:
-                raise SubmissionError(f"sbatch is not on PATH: site {spec.site.name!r} needs a SLURM login node")
+            require_sbatch(spec)
             executor = RenderedSlurmExecutor(spec, script, dependency)
         # submitit echoes sbatch's stderr; the refusal is reported once, below
         with contextlib.redirect_stderr(io.StringIO()):
@@ -162,8 +166,7 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
 def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | None) -> list[str]:
     """Points of one shape as one job array with one rendered script; returns their job ids
     (`<array>_<index>`). A refused array leaves none of its run directories behind."""
-    if shutil.which("sbatch") is None:
-        raise SubmissionError(f"sbatch is not on PATH: site {specs[0].site.name!r} needs a SLURM login node")
+    require_sbatch(specs[0])
     array = f"0-{len(specs) - 1}" + (f"%{max_concurrent}" if max_concurrent else "")
     script = render(specs[0], array=array, log_folder=log_folder)
     fresh = [not (Path(spec.run_dir) / JOBS_FILE).exists() for spec in specs]

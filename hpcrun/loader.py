@@ -106,8 +106,7 @@ def describe(error: tp.Mapping[str, tp.Any], model: type[pydantic.BaseModel], fi
     value = error.get("input")
     if kind not in ("value_error", "assertion_error") and isinstance(value, (str, int, float, bool, type(None))):
         message += f" (got {value!r})"
-    # one line, whatever the input held: a newline in an error could fake a second message
-    return message.replace("\r", "\\r").replace("\n", "\\n")
+    return message  # HpcrunError keeps it to one line, whatever the input held
 
 
 def _valid_keys(model: type[pydantic.BaseModel], parents: list[str]) -> list[str]:
