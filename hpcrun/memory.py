@@ -58,6 +58,15 @@ def model_state_bytes(params: float, n: int, option: Option, mixed: bool, per_no
     return weights + grads + optim, 0.0
 
 
+def staging_bytes(params: float, n: int, option: Option, per_node: int) -> float:
+    """Host memory per node an asynchronous DCP save (DDP, FSDP) copies each rank's state into:
+    fp32 weights and Adam's two moments, 12 bytes per parameter, as sharded as the weights."""
+    if option.recipe["name"] == "deepspeed":
+        return 0.0  # DeepSpeed saves synchronously
+    group = n if option.shard_params == "all" else min(n, per_node) if option.shard_params == "node" else 1
+    return 12 * params / group * per_node
+
+
 def deepspeed_estimate(params: int, largest_layer: int, per_node: int, nodes: int, option: Option, buffer: float = 1.5) -> tuple[float, float] | None:
     """(host bytes per node, GPU bytes) by DeepSpeed's own cold estimators
     (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs` with
@@ -115,12 +124,15 @@ def estimate(spec: RunSpec) -> list[Estimate]:
         # fit against the larger of the two accountings: DeepSpeed's counts what it allocates
         gpu = max(on_gpu, ds[1] if ds else 0.0) + activations
         cpu = max(moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0)
+        staged = staging_bytes(params, n, option, per_node) if spec.recipe.checkpoint.asynchronous else 0.0
+        cpu += staged
         disk = moved * per_node if option.offload == "nvme" else 0.0
         problems = []
         if gpu > gpu_cap:
             problems.append(f"needs {gpu / GB:.1f} GB per GPU, has {gpu_cap / GB:.0f}")
         if cpu > host_cap:
-            problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}")
+            why = f" ({staged / GB:.0f} GB to stage asynchronous checkpoints; checkpoint.asynchronous: false saves that)" if staged else ""
+            problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}{why}")
         if option.offload == "nvme" and (nvme is None or disk > nvme.size_gb * GB):
             problems.append("no storage.nvme in the site" if nvme is None else f"needs {disk / GB:.0f} GB NVMe per node, has {nvme.size_gb:.0f}")
         out.append(Estimate(option, gpu / GB, cpu / GB, disk / GB, not problems, "; ".join(problems) or "fits", ds[1] / GB if ds else None))

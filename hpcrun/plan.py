@@ -123,6 +123,12 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
         raise HpcrunError(str(exc).splitlines()[0], where) from exc
 
 
+def plan_point(site: Site, recipe_file: RecipeFile, sweep_id: str, overrides: dict[str, tp.Any]) -> RunSpec:
+    """One sweep point as a run of its own, `<sweep id>.<point id>`."""
+    pid = point_id(overrides)
+    return plan(site, recipe_file.point(overrides), recipe_file.path, f"{sweep_id}.{pid}", sweep_id=sweep_id, point_id=pid)
+
+
 def runs_of(site: Site, recipe_file: RecipeFile, run_id: str) -> list[RunSpec]:
     """Every run a recipe file asks for on `site`: one per stage, one per sweep point, or one.
     Each is checked against the site, so a bad stage or point fails before anything is sent."""
@@ -136,10 +142,6 @@ def runs_of(site: Site, recipe_file: RecipeFile, run_id: str) -> list[RunSpec]:
             weights = str(Path(specs[-1].run_dir) / FINAL_WEIGHTS) if specs and stage.init_from == "previous" else None
             specs.append(plan(site, recipe, where, f"{run_id}.{stage.name}", stage=stage.name, init_from=stage.init_from, init_weights=weights))
         return specs
-    if recipe_file.sweep:
-        specs = []
-        for point in expand(recipe_file.sweep):
-            pid = point_id(point)
-            specs.append(plan(site, recipe_file.point(point), where, f"{run_id}.{pid}", sweep_id=run_id, point_id=pid))
-        return specs
+    if recipe_file.sweep:  # the first point that cannot run fails (`hpcrun sweep` skips it instead)
+        return [plan_point(site, recipe_file, run_id, point) for point in expand(recipe_file.sweep)]
     return [plan(site, recipe_file.base, where, run_id)]

@@ -75,14 +75,14 @@ def points(site: "Site", recipe_file: "RecipeFile", sid: str) -> list[Point]:
     """Every point, planned on `site`; one that cannot run there is kept with the reason."""
     from hpcrun.errors import HpcrunError
     from hpcrun.memory import misfit
-    from hpcrun.plan import plan
+    from hpcrun.plan import plan_point
 
     assert recipe_file.sweep is not None
     result = []
     for overrides in expand(recipe_file.sweep):
         pid = point_id(overrides)
         try:
-            spec = plan(site, recipe_file.point(overrides), recipe_file.path, f"{sid}.{pid}", sweep_id=sid, point_id=pid)
+            spec = plan_point(site, recipe_file, sid, overrides)
             reason = misfit(spec)
             result.append(Point(pid, overrides, None if reason else spec, reason))
         except HpcrunError as exc:

@@ -94,9 +94,12 @@ class Killed(Exception):
     pass
 
 
-def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kill a DCP save at each file operation in turn: resume never picks the partial
-    checkpoint, and the next save of the same step succeeds."""
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the kills, in writer threads
+def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kill a DCP save at each file operation in turn (in DCP's writer threads too, and in the
+    background of an asynchronous save): resume never picks the partial checkpoint, the failure
+    is raised, and the next save of the same step succeeds."""
     import torch
     import torch.distributed as dist
 
@@ -114,8 +117,15 @@ def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost")
         recipe_ = Recipe.model_validate({"name": "k", "strategy": {"name": "ddp"}})
         engine = strategies.setup(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p), recipe_, env)
-        cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp")
-        cps.save(engine, 1, {"step": 1})
+        cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp", asynchronous=asynchronous)
+
+        def save(step: int) -> None:
+            cps.save(engine, step, {"step": step})
+            if asynchronous:  # still in the background: published only by poll() or wait()
+                assert ckpt.latest(cps.root) is None or ckpt.latest(cps.root)[0] < step
+            cps.wait()
+
+        save(1)
         real_open, real_rename, real_replace = builtins.open, os.rename, os.replace
         ops = {"n": 0, "kill_at": -1}
 
@@ -138,7 +148,7 @@ def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             shutil.rmtree(ckpt.step_dir(cps.root, 2), ignore_errors=True)
             ops.update(n=0, kill_at=kill_at)
             try:
-                cps.save(engine, 2, {"step": 2})
+                save(2)
                 break
             except (Killed, CheckpointException):  # DCP wraps what its writers raise
                 kills += 1
@@ -148,14 +158,18 @@ def test_save_killed_at_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             assert latest is not None and latest[0] in (1, 2)
             state_ = cps.load(engine, latest[1])  # whatever is visible is whole: it loads
             assert state_["step"] == latest[0]
-            cps.save(engine, 3, {"step": 3})  # the next save succeeds over the leftovers
+            save(3)  # the next save succeeds over the leftovers
             assert ckpt.latest(cps.root)[0] == 3
             assert not list(cps.root.glob(".tmp-*"))
             shutil.rmtree(ckpt.step_dir(cps.root, 3))
         assert kills >= 4, kills  # the save really was cut at several points
         assert ckpt.latest(cps.root)[0] == 2
+        before = ckpt.state_digest(engine.model.module.state_dict())
+        torch.nn.init.zeros_(engine.model.module.weight)
+        cps.load(engine, ckpt.latest(cps.root)[1])  # the surviving save is whole
+        assert ckpt.state_digest(engine.model.module.state_dict()) == before
         for step in (4, 5, 6):  # keep=2: older complete checkpoints go once a newer one is visible
-            cps.save(engine, step, {"step": step})
+            save(step)
         assert [s for s, _ in ckpt.complete(cps.root)] == [5, 6]
     finally:
         dist.destroy_process_group()

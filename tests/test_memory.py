@@ -82,3 +82,33 @@ def test_deepspeed_estimators_agree(params: int, largest: int, per_node: int, no
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True)
     assert deepspeed_estimate(params, largest, per_node, nodes, option("zero3-cpu")) == pytest.approx((cpu, gpu), rel=1e-9)
     assert deepspeed_estimate(params, largest, per_node, nodes, option("ddp")) is None
+
+
+def test_asynchronous_checkpoints_count_their_host_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An asynchronous DCP save copies each rank's fp32 weights and Adam moments (12 bytes per
+    parameter, sharded like the weights) into host memory: 13B on 8 GPUs with FSDP stages 156 GB
+    per node, too much for a 128 GB node, while DeepSpeed (synchronous) is unaffected."""
+    from pathlib import Path
+
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).parent.parent / "sites" / "mycluster.yaml").read_text())
+    data["partitions"]["gpu"]["memory_gb"] = 128
+    (tmp_path / "small-host.yaml").write_text(yaml.safe_dump(data))
+    site = load_site(str(tmp_path / "small-host.yaml"))
+
+    def verdicts(asynchronous: bool):  # type: ignore[no-untyped-def]
+        recipe = Recipe.model_validate({
+            "name": "p", "job": {"kind": "benchmark", "model": "13b"}, "precision": "bf16-mixed",
+            "resources": {"nodes": 1, "gpus_per_node": 8, "time": "01:00:00"},
+            "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
+            "checkpoint": {"asynchronous": asynchronous},
+        })
+        return {e.option.name: e for e in estimate(plan(site, recipe, "r.yaml", "id"))}
+
+    staged = verdicts(True)
+    assert not staged["fsdp-full"].fits and "checkpoint.asynchronous: false" in staged["fsdp-full"].why
+    assert staged["fsdp-full"].cpu_gb_per_node == pytest.approx(12 * 13e9 / 8 * 8 / GB, rel=0.05)
+    assert staged["zero3"].fits and staged["zero3"].cpu_gb_per_node == 0
+    inline = verdicts(False)
+    assert inline["fsdp-full"].fits and inline["fsdp-full"].cpu_gb_per_node == 0

@@ -1,12 +1,18 @@
 """Checkpoint directories: `<run>/checkpoints/step-NNNNNNNN/`, visible only when complete.
 
-Every rank writes into `.tmp-step-NNNNNNNN/`; after a barrier rank 0 writes `manifest.json`
-last and renames the directory into place, so a reader sees a whole checkpoint or none.
-Leftovers of a killed save are removed before the next save and never picked on resume.
+Every rank writes into `.tmp-step-NNNNNNNN/`; once every rank's part is durable, rank 0 writes
+`manifest.json` last and renames the directory into place, so a reader sees a whole checkpoint
+or none. Leftovers of a killed save are removed before the next save and never picked on resume.
+
+Saves are asynchronous where the engine can be (DCP: DDP and FSDP): training stalls only while
+the state is copied to host memory; the write runs in a background thread over a gloo group of
+its own (collectives of two threads on one group would interleave). A save is made visible
+between steps once it is done, and the next save, a stop and the end of training wait for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -14,6 +20,7 @@ import random
 import shutil
 import time
 import typing as tp
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -79,19 +86,44 @@ def set_rng_state(state: dict[str, tp.Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@dataclasses.dataclass
+class _Save:
+    """A save whose files may still be being written."""
+
+    step: int
+    tmp: Path
+    final: Path
+    started: float
+    future: Future[tp.Any] | None = None  # None: written synchronously, complete on every rank
+    durable_at: float | None = None
+
+
 class Checkpoints:
     """Save and find checkpoints of one run; collective: every rank calls `save` and `load`."""
 
-    def __init__(self, root: Path, env: DistEnv, keep: int, strategy: str) -> None:
+    def __init__(self, root: Path, env: DistEnv, keep: int, strategy: str, asynchronous: bool = False) -> None:
         self.root, self.env, self.keep, self.strategy = root, env, keep, strategy
+        self.asynchronous = asynchronous
+        self.write_times: list[float] = []  # seconds from each save's start until it was durable
+        self._pending: _Save | None = None
+        self._group: tp.Any = None
 
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
-    def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> float:
-        """Write a checkpoint of `step`; returns the seconds training was stalled."""
+    def _writer_group(self) -> tp.Any:
+        """Created at the first asynchronous save, which every rank reaches at the same step."""
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any], block: bool = False) -> float:
+        """Start a checkpoint of `step` (and finish the previous one first); with `block`, or
+        when the engine writes synchronously, return only once it is visible. Returns the seconds
+        training was stalled."""
         start = time.perf_counter()
+        self.wait()
         final = step_dir(self.root, step)
         tmp = self.root / f".tmp-{final.name}"
         if self.env.is_main:
@@ -99,28 +131,63 @@ class Checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed save of the same step
             tmp.mkdir()
         self._barrier()
-        engine.save(tmp / "state")
+        # this rank's small state first: the engine's write completes after it on every rank
         buffer = _serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
         _write_file(tmp / f"trainer-rank{self.env.rank:05d}.pt", buffer)
-        self._barrier()
-        if self.env.is_main:
-            manifest = {
-                "step": step,
-                "complete": True,
-                "world_size": self.env.world_size,
-                "strategy": self.strategy,
-                "hpcrun": __version__,
-                "created": time.time(),
-            }
-            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-            if final.exists():  # the same step saved before a requeue: keep the old, equal one
-                shutil.rmtree(tmp)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
-        self._barrier()
+        pending = _Save(step, tmp, final, start)
+        if self.asynchronous and hasattr(engine, "save_async"):
+            pending.future = engine.save_async(tmp / "state", self._writer_group())
+            pending.future.add_done_callback(lambda _: setattr(pending, "durable_at", time.perf_counter()))
+        else:
+            engine.save(tmp / "state")
+            self._barrier()
+        self._pending = pending
+        if block or pending.future is None:
+            self.wait()
         return time.perf_counter() - start
+
+    def poll(self) -> None:
+        """Between steps, no collective: make a finished background save visible. A failed one
+        is left for the next `save`/`wait`, where every rank raises its error at the same step."""
+        pending = self._pending
+        if pending and pending.future and pending.future.done() and pending.future.exception() is None:
+            self._complete()
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is visible; raise what its write raised."""
+        if self._pending:
+            self._complete()
+
+    def _complete(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        if pending.future is not None:
+            # DCP's coordinator finishes (and every rank's future completes) only after it has
+            # gathered every rank's write result: done here means all ranks' files are durable,
+            # and a failure on any rank is raised on every rank.
+            pending.future.result()
+        self.write_times.append((pending.durable_at or time.perf_counter()) - pending.started)
+        if self.env.is_main:
+            self._publish(pending)
+        if pending.future is None:
+            self._barrier()
+
+    def _publish(self, pending: _Save) -> None:
+        manifest = {
+            "step": pending.step,
+            "complete": True,
+            "world_size": self.env.world_size,
+            "strategy": self.strategy,
+            "hpcrun": __version__,
+            "created": time.time(),
+        }
+        _write_file(pending.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if pending.final.exists():  # the same step saved before a requeue: keep the old, equal one
+            shutil.rmtree(pending.tmp)
+        else:
+            os.rename(pending.tmp, pending.final)
+        _fsync_dir(self.root)
+        self._prune()
 
     def _prune(self) -> None:
         for _, path in complete(self.root)[: -self.keep]:

@@ -15,7 +15,8 @@ import torch
 class Measurements:
     step_times: list[float] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
-    checkpoint_saves: list[float] = dataclasses.field(default_factory=list)
+    checkpoint_saves: list[float] = dataclasses.field(default_factory=list)  # training stalled, per save
+    checkpoint_writes: list[float] = dataclasses.field(default_factory=list)  # start to durable, per save
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -55,4 +56,5 @@ def summarise(
     row["checkpoint_saves"] = len(m.checkpoint_saves)
     row["checkpoint_save_s"] = statistics.fmean(m.checkpoint_saves) if m.checkpoint_saves else None
     row["checkpoint_stall_s"] = sum(m.checkpoint_saves)
+    row["checkpoint_write_s"] = statistics.fmean(m.checkpoint_writes) if m.checkpoint_writes else None
     return row

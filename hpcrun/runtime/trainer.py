@@ -42,8 +42,8 @@ class Context:
         self.recipe = spec.recipe
         self.args: dict[str, tp.Any] = spec.recipe.job.args if isinstance(spec.recipe.job, EntrypointJob) else {}
         self.rank, self.local_rank, self.world_size, self.device = env.rank, env.local_rank, env.world_size, env.device
-        strategy = spec.recipe.strategy
-        self.checkpoints = ckpt.Checkpoints(Path(spec.run_dir) / "checkpoints", env, spec.recipe.checkpoint.keep, strategy.name)
+        strategy, checkpoint = spec.recipe.strategy, spec.recipe.checkpoint
+        self.checkpoints = ckpt.Checkpoints(Path(spec.run_dir) / "checkpoints", env, checkpoint.keep, strategy.name, checkpoint.asynchronous)
         self.measured = Measurements()
         self.engine: tp.Any = None
         self.start_step = 0
@@ -78,11 +78,13 @@ class Context:
             yield step
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.measured.step_times.append(time.perf_counter() - start)
             done = step + 1
+            self.checkpoints.poll()
             stop = self._agree_to_stop()
+            # a step's time includes hpcrun's own per-step work; a save's stall is counted apart
+            self.measured.step_times.append(time.perf_counter() - start)
             if done % interval == 0 or done == total or stop:
-                self.save(done)
+                self.save(done, block=done == total or bool(stop))
             if stop and done < total:
                 self.stopped = signal.Signals(stop).name
                 self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
@@ -99,9 +101,9 @@ class Context:
             local = (t / self.world_size).tolist()
         return self.restored_losses + list(local)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, block: bool) -> None:
         state = {"step": step, "losses": self.global_losses()}
-        self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state))
+        self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
 
     def _agree_to_stop(self) -> int:
         """Every rank learns whether any rank was signalled (a tiny all-reduce per step)."""
@@ -186,6 +188,7 @@ def main(spec_path: str) -> dict[str, tp.Any]:
     status, reason = "completed", None
     try:
         JOBS[spec.recipe.job.kind](ctx)
+        ctx.checkpoints.wait()  # a job that left `steps()` early may have a save in flight
         if ctx.stopped:
             status, reason = stop_decision(ctx)
     except Exception as exc:
@@ -234,6 +237,7 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     """Gather across ranks (when all are alive) and write this attempt's results row (rank 0,
     or any failing rank, since a failed rank 0 may never get here)."""
     m = ctx.measured
+    m.checkpoint_writes = ctx.checkpoints.write_times
     peak = peak_memory_bytes(ctx.device)
     if collective:
         m.losses = ctx.global_losses()
