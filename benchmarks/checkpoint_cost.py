@@ -6,11 +6,13 @@ default interval; bandwidth >= 0.7 of the disk's.
 Three ways of saving are measured side by side:
 - synchronous: training waits for the whole write (what DeepSpeed engines do);
 - asynchronous, stall: the time `save()` blocks (the copy of the state to host memory);
+- asynchronous, bandwidth: bytes over the background write's time (after the copy), and over
+  copy and write together;
 - asynchronous, cost: the stall plus how much slower the steps run while the background write
   shares the CPU with them, against steps with no save in flight. On a 2-core machine the
   writer competes with training for cores; on a GPU node it does not.
 
-    python benchmarks/checkpoint_cost.py [--model 125m] [--saves 3]
+    python benchmarks/checkpoint_cost.py [--model 125m] [--saves 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,25 +25,24 @@ import time
 from pathlib import Path
 
 
-def disk_write_speed(directory: Path, nbytes: int) -> float:
-    """Bytes/s of one sequential write of `nbytes` with fsync, like a checkpoint file."""
+def disk_write(path: Path, nbytes: int) -> float:
+    """Seconds for one sequential write of `nbytes` with fsync into a new file, as a checkpoint
+    file is written (the file stays until the round ends, as kept checkpoints do)."""
     block = os.urandom(1 << 20)
-    path = directory / "ddtest"
     start = time.perf_counter()
     with open(path, "wb") as f:
         for _ in range(max(1, nbytes >> 20)):
             f.write(block)
         f.flush()
         os.fsync(f.fileno())
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return max(1, nbytes >> 20) * (1 << 20) / elapsed
+    return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="125m")
-    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--saves", type=int, default=5, help="rounds")
+    parser.add_argument("--threads", type=int, default=None, help="DCP writer threads (default: hpcrun's)")
     parser.add_argument("--steps", type=int, default=6, help="clean steps timed before the saves")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
@@ -63,6 +64,8 @@ def main() -> None:
     env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "bench", "localhost")
     recipe = Recipe.model_validate({"name": "c", "job": {"kind": "benchmark", "model": args.model}, "training": {"micro_batch": 2, "seq_len": 128}})
     size = SIZES[args.model]
+    if args.threads:
+        strategies.WRITER_THREADS = args.threads
     engine = strategies.setup(GPT(size, 128), lambda p: torch.optim.AdamW(p, lr=1e-4), recipe, env)
     counter = iter(range(10**9))
 
@@ -77,38 +80,44 @@ def main() -> None:
     step = statistics.median(train_step() for _ in range(args.steps))
     sync = ckpt.Checkpoints(tmp / "sync", env, keep=2, strategy="ddp", asynchronous=False)
     background = ckpt.Checkpoints(tmp / "async", env, keep=2, strategy="ddp", asynchronous=True)
-    sync_stalls, stalls, costs, idle_writes, steps_in_flight = [], [], [], [], []
+    sync.save(engine, 0, {"step": 0})  # warm-up, and the size every write below matches
+    nbytes = sum(f.stat().st_size for f in ckpt.step_dir(sync.root, 0).rglob("*") if f.is_file())
+    disk_write(tmp / "warm-up", nbytes)  # the first large write after start-up runs slow here
+    (tmp / "warm-up").unlink()
+    # The disk's speed on this VM drifts (page-cache reclaim, host caching): every round measures
+    # the disk and each way of saving back to back, and each ratio is taken within its round.
+    rows = []
     for n in range(1, args.saves + 1):
-        sync_stalls.append(sync.save(engine, n, {"step": n}))
+        disk = nbytes / disk_write(tmp / f"disk-{n}", nbytes)
+        sync_stall = sync.save(engine, n, {"step": n})
         # asynchronous, nothing else running: the writer's own bandwidth
-        background.save(engine, 2 * n - 1, {"step": 2 * n - 1})
+        copy = background.save(engine, 2 * n - 1, {"step": 2 * n - 1})
         background.wait()
-        idle_writes.append(background.write_times[-1])
-        # asynchronous while training: stall, and steps slowed while the write is in flight
+        idle_write = background.write_times[-1]  # from the save's start: copy, then write
+        # asynchronous while training: stall, and the steps slowed while the write is in flight
         stall = background.save(engine, 2 * n, {"step": 2 * n})
         spent, k = stall, 0
         while background._pending is not None:  # noqa: SLF001 - the benchmark watches the save
             spent += train_step()
             k += 1
             background.poll()
-        stalls.append(stall)
-        costs.append(spent - k * step)
-        steps_in_flight.append(k)
-    nbytes = int(statistics.median(
-        sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) for _, path in ckpt.complete(sync.root)
-    ))
-    disk = statistics.median(disk_write_speed(tmp, nbytes) for _ in range(3))
-    sync_stall, stall, cost = statistics.median(sync_stalls), statistics.median(stalls), statistics.median(costs)
-    writer_bw = nbytes / statistics.median(idle_writes)
+        (tmp / f"disk-{n}").unlink()
+        rows.append({"disk": disk, "sync_stall": sync_stall, "stall": stall, "cost": spent - k * step, "in_flight": k, "writer": nbytes / (idle_write - copy), "end_to_end": nbytes / idle_write})
+        print(f"round {n}: disk {disk / 2**20:.0f} MiB/s, synchronous {nbytes / sync_stall / disk:.2f} of it, asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
+              f"asynchronous stall {stall:.2f} s, with slowed steps {rows[-1]['cost']:.2f} s ({k} steps in flight)", flush=True)
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     interval = Recipe.model_fields["checkpoint"].default.interval
     share = lambda s: s / (s + interval * step) * 100  # noqa: E731
     mib = 2**20
-    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {strategies.WRITER_THREADS}")
-    print(f"disk sequential write (fsync, same size): {disk / mib:.0f} MiB/s")
-    print(f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, {nbytes / sync_stall / mib:.0f} MiB/s = {nbytes / sync_stall / disk:.2f} of disk")
-    print(f"asynchronous save: stall {stall:.2f} s = {stall / step:.2f} step times (target <= 1), {share(stall):.2f}% of wall time (target < 1%)")
-    print(f"asynchronous save: stall + slowed steps while writing ({statistics.median(steps_in_flight)} steps) {cost:.2f} s = {cost / step:.2f} step times, {share(cost):.2f}% of wall time")
-    print(f"asynchronous writer bandwidth (idle): {writer_bw / mib:.0f} MiB/s = {writer_bw / disk:.2f} of disk (target >= 0.7)")
+    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {strategies.WRITER_THREADS}, medians of {len(rows)} rounds:")
+    print(f"disk sequential write (fsync, same size, new file): {med('disk') / mib:.0f} MiB/s")
+    sync_stall = med("sync_stall")
+    print(f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, "
+          f"bandwidth {statistics.median(nbytes / r['sync_stall'] / r['disk'] for r in rows):.2f} of disk")
+    print(f"asynchronous save: stall {med('stall'):.2f} s = {med('stall') / step:.2f} step times (target <= 1), {share(med('stall')):.2f}% of wall time (target < 1%)")
+    print(f"asynchronous save: stall + steps slowed while writing ({med('in_flight')} steps) {med('cost'):.2f} s = {med('cost') / step:.2f} step times, {share(med('cost')):.2f}% of wall time")
+    print(f"asynchronous save, background write after the copy (idle): {med('writer') / mib:.0f} MiB/s = {statistics.median(r['writer'] / r['disk'] for r in rows):.2f} of disk (target >= 0.7)")
+    print(f"asynchronous save, copy and write together (idle): {med('end_to_end') / mib:.0f} MiB/s = {statistics.median(r['end_to_end'] / r['disk'] for r in rows):.2f} of disk")
     dist.destroy_process_group()
 
 
