@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +172,68 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
         for step in (4, 5, 6):  # keep=2: older complete checkpoints go once a newer one is visible
             save(step)
         assert [s for s, _ in ckpt.complete(cps.root)] == [5, 6]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training goes on (weights and Adam moments change in place) while a save is written in
+    the background: the checkpoint still holds the state of the step it was taken at, and it
+    becomes visible only when `poll` finds the write done."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcrun.recipe import Recipe
+    from hpcrun.runtime import checkpoint as ckpt
+    from hpcrun.runtime import strategies
+    from hpcrun.runtime.env import DistEnv
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29000 + (os.getpid() + 7) % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost")
+        recipe_ = Recipe.model_validate({"name": "a", "strategy": {"name": "ddp"}})
+        torch.manual_seed(0)
+
+        def engine():  # type: ignore[no-untyped-def]
+            return strategies.setup(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)), lambda p: torch.optim.AdamW(p, lr=0.1), recipe_, env)
+
+        def step(e) -> None:  # type: ignore[no-untyped-def]
+            e.model(torch.randn(4, 256)).pow(2).mean().backward()
+            e.optimizer_step()
+
+        def digest(e) -> str:  # type: ignore[no-untyped-def]
+            optim = {f"{i}.{k}": v for i, s in e.optimizer.state_dict()["state"].items() for k, v in s.items()}
+            return ckpt.state_digest({**e.model.module.state_dict(), **optim})
+
+        gate = threading.Event()  # holds the background write until training has moved on
+        write_data = strategies._Writer.write_data
+
+        def held(self, plan, planner):  # type: ignore[no-untyped-def]
+            assert gate.wait(60)
+            return write_data(self, plan, planner)
+
+        monkeypatch.setattr(strategies._Writer, "write_data", held)
+        live = engine()
+        step(live)
+        at_save = digest(live)
+        cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp", asynchronous=True)
+        cps.save(live, 1, {"step": 1})
+        for _ in range(3):
+            step(live)
+            cps.poll()
+        assert digest(live) != at_save
+        assert ckpt.latest(cps.root) is None  # not visible while it is being written
+        gate.set()
+        deadline = time.time() + 60
+        while ckpt.latest(cps.root) is None and time.time() < deadline:
+            cps.poll()
+            time.sleep(0.01)
+        assert ckpt.latest(cps.root) is not None and cps.write_times
+        restored = engine()
+        state_ = cps.load(restored, ckpt.latest(cps.root)[1])
+        assert state_["step"] == 1 and digest(restored) == at_save
     finally:
         dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 MEASURED = [
     "tokens_per_s", "tokens_per_s_per_gpu", "samples_per_s", "step_time_p50_s", "step_time_p95_s", "peak_memory_bytes",
-    "parameters", "tflops_per_gpu", "mfu", "final_loss", "checkpoint_save_s", "checkpoint_stall_s", "start_time", "end_time",
+    "parameters", "tflops_per_gpu", "mfu", "final_loss", "checkpoint_save_s", "checkpoint_stall_s", "checkpoint_write_s", "start_time", "end_time",
 ]
 
 
