@@ -12,7 +12,7 @@ Three ways of saving are measured side by side:
   shares the CPU with them, against steps with no save in flight. On a 2-core machine the
   writer competes with training for cores; on a GPU node it does not.
 
-    python benchmarks/checkpoint_cost.py [--model 125m] [--saves 5] [--threads N]
+    python benchmarks/checkpoint_cost.py [--model 125m] [--saves 7] [--warmup-rounds 2] [--threads N]
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def disk_write(path: Path, nbytes: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="125m")
-    parser.add_argument("--saves", type=int, default=5, help="rounds")
+    parser.add_argument("--saves", type=int, default=7, help="rounds counted")
+    parser.add_argument("--warmup-rounds", type=int, default=2, help="rounds run first and not counted")
     parser.add_argument("--threads", type=int, default=None, help="DCP writer threads (default: hpcrun's)")
     parser.add_argument("--steps", type=int, default=6, help="clean steps timed before the saves")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
@@ -82,12 +83,13 @@ def main() -> None:
     background = ckpt.Checkpoints(tmp / "async", env, keep=2, strategy="ddp", asynchronous=True)
     sync.save(engine, 0, {"step": 0})  # warm-up, and the size every write below matches
     nbytes = sum(f.stat().st_size for f in ckpt.step_dir(sync.root, 0).rglob("*") if f.is_file())
-    disk_write(tmp / "warm-up", nbytes)  # the first large write after start-up runs slow here
-    (tmp / "warm-up").unlink()
-    # The disk's speed on this VM drifts (page-cache reclaim, host caching): every round measures
-    # the disk and each way of saving back to back, and each ratio is taken within its round.
+    # The disk's speed on this VM drifts (300 to 2,200 MiB/s for the same write) and the first
+    # large writes of a process run slow: every round measures the disk and each way of saving
+    # back to back, each ratio is taken within its round, and the first rounds are not counted.
     rows = []
-    for n in range(1, args.saves + 1):
+    for n in range(1, args.warmup_rounds + args.saves + 1):
+        if n == args.warmup_rounds + 1:
+            rows.clear()
         disk = nbytes / disk_write(tmp / f"disk-{n}", nbytes)
         sync_stall = sync.save(engine, n, {"step": n})
         # asynchronous, nothing else running: the writer's own bandwidth
@@ -103,7 +105,7 @@ def main() -> None:
             background.poll()
         (tmp / f"disk-{n}").unlink()
         rows.append({"disk": disk, "sync_stall": sync_stall, "stall": stall, "cost": spent - k * step, "in_flight": k, "writer": nbytes / (idle_write - copy), "end_to_end": nbytes / idle_write})
-        print(f"round {n}: disk {disk / 2**20:.0f} MiB/s, synchronous {nbytes / sync_stall / disk:.2f} of it, asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
+        print(f"round {n}{' (warm-up)' if n <= args.warmup_rounds else ''}: disk {disk / 2**20:.0f} MiB/s, synchronous {nbytes / sync_stall / disk:.2f} of it, asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
               f"asynchronous stall {stall:.2f} s, with slowed steps {rows[-1]['cost']:.2f} s ({k} steps in flight)", flush=True)
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     interval = Recipe.model_fields["checkpoint"].default.interval

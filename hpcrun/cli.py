@@ -287,21 +287,24 @@ def status(site_name: str, run: str | None) -> None:
 @click.option("--follow", is_flag=True, help="Keep printing until the job ends.")
 def logs(site_name: str, run: str, rank: int, follow: bool) -> None:
     """Print a rank's log of RUN's latest job."""
+    import codecs
     import time as _time
 
     from hpcrun.status import log_path, statuses
 
     (run_dir,) = _run_dirs(site_name, run)[:1]
     path = log_path(run_dir, rank)
-    offset = 0
+    offset, text = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")
     while True:
+        # ask before reading: once the job has ended, this read is the last and gets every line
+        ended = not follow or statuses([run_dir])[0].done
         if path.exists():
-            with path.open() as f:
+            with path.open("rb") as f:  # bytes, decoded across reads: a read may end inside a character
                 f.seek(offset)
                 chunk = f.read()
-                offset = f.tell()
-            click.echo(chunk, nl=False)
-        if not follow or statuses([run_dir])[0].done:
+                offset += len(chunk)
+            click.echo(text.decode(chunk, final=ended), nl=False)
+        if ended:
             break
         _time.sleep(1)
     err = log_path(run_dir, rank, stream="err")

@@ -159,3 +159,30 @@ def test_deepspeed_config_from_a_users_json(tmp_path: Path) -> None:
     used = json.loads((run_dir / "deepspeed-config.json").read_text())
     assert used["zero_optimization"] == {"stage": 1} and used["gradient_clipping"] == 0.5  # the user's
     assert used["train_micro_batch_size_per_gpu"] == 2 and used["train_batch_size"] == 4  # the recipe's batch wins
+
+
+def test_logs_follow_prints_to_the_end(tmp_path: Path) -> None:
+    """`hpcrun logs --follow` started with the job keeps printing while it runs and returns once
+    it has ended, with the job's last line (read after the end, not before it)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT
+
+    site = site_copy(tmp_path)
+    steps = 40
+    rec = recipe(tmp_path, "follow", training={"steps": steps, "log_interval": 5, "seq_len": 64}, checkpoint={"interval": 20})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    started = time.time()
+    follow = subprocess.run(
+        [sys.executable, "-m", "hpcrun.cli", "logs", "--site", str(site), "--follow", run_dir.name],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert follow.returncode == 0, follow.stderr
+    assert state(run_dir)["status"] == "completed"  # it returned because the job had ended
+    lines = follow.stdout.splitlines()
+    assert f"step {steps}/{steps}" in " ".join(lines[-3:]), lines[-5:]
+    assert "step 5/" in follow.stdout and time.time() - started > 1
+    once = hpcrun("logs", "--site", str(site), run_dir.name)
+    assert once.stdout.startswith(follow.stdout)  # the same log, not lines lost or repeated
