@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
+
+from scratch import scratch  # benchmarks/scratch.py
 
 
 def disk_write(path: Path, nbytes: int) -> float:
@@ -61,7 +62,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     torch.set_num_threads(cpu_threads(1))  # as a one-rank hpcrun job
     dist.init_process_group("gloo", rank=0, world_size=1)
-    tmp = Path(tempfile.mkdtemp(prefix="ckpt-cost-", dir=args.dir))
+    tmp = scratch("ckpt-cost-", args.dir)
     env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "bench", "localhost")
     recipe = Recipe.model_validate({"name": "c", "job": {"kind": "benchmark", "model": args.model}, "training": {"micro_batch": 2, "seq_len": 128}})
     size = SIZES[args.model]

@@ -11,11 +11,12 @@ import datetime as dt
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from scratch import scratch  # benchmarks/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     from hpcrun.results import load
 
-    tmp = Path(tempfile.mkdtemp(prefix="requeue-latency-", dir="/var/tmp"))
+    tmp = scratch("requeue-latency-", "/var/tmp")
     site = yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())
     site["name"] = "latency"
     site["storage"] = {"runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results")}

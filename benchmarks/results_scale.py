@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import random
-import tempfile
 import time
 from pathlib import Path
+
+from scratch import scratch  # benchmarks/scratch.py
 
 
 def main() -> None:
@@ -21,7 +22,7 @@ def main() -> None:
     from hpcrun.compare import compare
     from hpcrun.results import compact, load, write_attempt
 
-    tmp = Path(tempfile.mkdtemp(prefix="results-scale-"))
+    tmp = scratch("results-scale-")
     rng = random.Random(0)
     start = time.perf_counter()
     for i in range(args.files):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from scratch import scratch  # benchmarks/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ def tool(bindir: Path, name: str, body: str) -> None:
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="sweep-scale-"))
+    tmp = scratch("sweep-scale-")
     bindir = tmp / "bin"
     bindir.mkdir()
     log = tmp / "calls"

@@ -12,11 +12,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from scratch import scratch  # benchmarks/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
+    tmp = scratch("overhead-")
     bare_tps, hpc_tps = [], []
     for n in range(args.rounds):  # ABBA order, so drift on a noisy machine hits both alike
         if n % 2 == 0:

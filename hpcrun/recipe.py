@@ -123,8 +123,8 @@ class Checkpoint(Frozen):
     max_requeues: int = pydantic.Field(default=3, ge=0, le=4)
     signal_lead_s: int | None = pydantic.Field(default=None, ge=10)
     export_final: bool = False  # write final-weights.pt (full fp32, any strategy can load it) and its sha256
-    # DDP/FSDP: write in the background, training stalls only for a copy of the rank's state to
-    # host memory (which it needs once more, briefly); DeepSpeed always writes synchronously
+    # DDP/FSDP: write in the background; training stalls only for a copy of the rank's state into
+    # host buffers (as much host memory again, for the run); DeepSpeed always writes synchronously
     asynchronous: bool = True
 
     @pydantic.field_validator("keep")

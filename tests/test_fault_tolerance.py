@@ -234,6 +234,17 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
         restored = engine()
         state_ = cps.load(restored, ckpt.latest(cps.root)[1])
         assert state_["step"] == 1 and digest(restored) == at_save
+        # the second save reuses the first one's host buffers: tensors and numbers are its own
+        for group in live.optimizer.param_groups:
+            group["lr"] = 0.05
+        step(live)
+        at_second = digest(live)
+        cps.save(live, 2, {"step": 2})
+        step(live)
+        cps.wait()
+        again = engine()
+        assert cps.load(again, ckpt.latest(cps.root)[1])["step"] == 2
+        assert digest(again) == at_second and again.optimizer.param_groups[0]["lr"] == 0.05
     finally:
         dist.destroy_process_group()
 
