@@ -112,3 +112,36 @@ def test_refused_partition_shows_sbatch_message(shared: Path) -> None:
     assert out.returncode == 1
     assert "invalid partition" in out.stderr.lower(), out.stderr
     assert not (shared / "runs" / "refused-run").exists()
+
+
+def test_zero_infinity_across_two_nodes(shared: Path) -> None:
+    """ZeRO-3 with optimizer and parameters offloaded to NVMe on 2 nodes: every rank swaps into
+    its node's per-job directory while the job runs, training converges, and the script's trap
+    removes the directory on every node at the end."""
+    import json
+
+    from tests.runs import STRATEGIES, losses
+
+    nvme = shared / "nvme"
+    site = site_copy(shared, "testcluster", storage={
+        "runs_dir": str(shared / "runs"), "results_dir": str(shared / "results"), "nvme": {"path": str(nvme), "size_gb": 5},
+    })
+    rec = recipe(
+        shared, "infinity", resources={"nodes": 2, "gpus_per_node": 1, "time": "00:15:00"},
+        strategy=STRATEGIES["zero3-nvme-offload"], training={"steps": 30, "lr": 0.003, "seq_len": 64}, checkpoint={"interval": 15},
+    )
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    swapping: set[str] = set()  # rank folders seen under the job's NVMe directory while it ran
+    deadline = time.time() + 600
+    while time.time() < deadline and not (run_dir / "state.json").exists():
+        swapping |= {p.name for p in nvme.glob("hpcrun-*/**/rank*")}
+        time.sleep(0.2)
+    assert wait_state(site, run_dir, {"COMPLETED", "FAILED"}) == "COMPLETED", state(run_dir)
+    assert state(run_dir)["status"] == "completed"
+    assert {"rank0", "rank1"} <= swapping, swapping  # both nodes' ranks wrote to NVMe
+    job = state(run_dir)["job_id"]
+    zero = json.loads((run_dir / "deepspeed-config.json").read_text())["zero_optimization"]
+    assert zero["offload_optimizer"]["nvme_path"] == zero["offload_param"]["nvme_path"] == str(nvme / f"hpcrun-{job}")
+    assert not list(nvme.glob("hpcrun-*")), list(nvme.iterdir())  # removed on every node
+    curve = losses(run_dir)
+    assert len(curve) == 30 and curve[-1] < curve[0] - 0.05, curve
