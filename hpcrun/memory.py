@@ -128,10 +128,12 @@ def estimate(spec: RunSpec) -> list[Estimate]:
         cpu += staged
         disk = moved * per_node if option.offload == "nvme" else 0.0
         problems = []
+        why = f" ({staged / GB:.0f} GB to stage asynchronous checkpoints; checkpoint.asynchronous: false saves that)" if staged else ""
         if gpu > gpu_cap:
             problems.append(f"needs {gpu / GB:.1f} GB per GPU, has {gpu_cap / GB:.0f}")
-        if cpu > host_cap:
-            why = f" ({staged / GB:.0f} GB to stage asynchronous checkpoints; checkpoint.asynchronous: false saves that)" if staged else ""
+        elif not part.gpu and gpu * per_node + cpu > host_cap:  # CPU ranks, offload and staging share one memory
+            problems.append(f"needs {(gpu * per_node + cpu) / GB:.0f} GB memory per node ({per_node} ranks x {gpu / GB:.1f} + {cpu / GB:.0f}), has {host_cap / GB:.0f}{why}")
+        if part.gpu and cpu > host_cap:
             problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}{why}")
         if option.offload == "nvme" and (nvme is None or disk > nvme.size_gb * GB):
             problems.append("no storage.nvme in the site" if nvme is None else f"needs {disk / GB:.0f} GB NVMe per node, has {nvme.size_gb:.0f}")

@@ -112,3 +112,28 @@ def test_asynchronous_checkpoints_count_their_host_copy(tmp_path) -> None:  # ty
     assert staged["zero3"].fits and staged["zero3"].cpu_gb_per_node == 0
     inline = verdicts(False)
     assert inline["fsdp-full"].fits and inline["fsdp-full"].cpu_gb_per_node == 0
+
+
+def test_cpu_ranks_and_staging_share_the_node_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On a CPU partition the ranks' model states and the checkpoint staging buffers are one
+    memory: 125m DDP with 2 ranks (2.1 GB each in fp32) fits a 6 GB node, not with its 3 GB of
+    staging buffers."""
+    from pathlib import Path
+
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).parent.parent / "sites" / "local.yaml").read_text())
+    data["partitions"]["local"]["memory_gb"] = 6
+    (tmp_path / "small.yaml").write_text(yaml.safe_dump(data))
+    site = load_site(str(tmp_path / "small.yaml"))
+
+    def ddp(asynchronous: bool):  # type: ignore[no-untyped-def]
+        recipe = Recipe.model_validate({
+            "name": "c", "job": {"kind": "benchmark", "model": "125m"}, "resources": {"nodes": 1, "gpus_per_node": 2},
+            "training": {"micro_batch": 1, "seq_len": 128}, "checkpoint": {"asynchronous": asynchronous},
+        })
+        return next(e for e in estimate(plan(site, recipe, "r.yaml", "id")) if e.option.name == "ddp")
+
+    staged, inline = ddp(True), ddp(False)
+    assert inline.fits, inline.why
+    assert not staged.fits and "memory per node" in staged.why and "checkpoint.asynchronous: false" in staged.why
