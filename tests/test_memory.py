@@ -8,7 +8,7 @@ from hpcrun.memory import GB, OPTIONS, estimate, model_state_bytes, recommend
 from hpcrun.plan import plan
 from hpcrun.recipe import Recipe
 from hpcrun.site import load_site
-from tests.helpers import cli
+from tests.helpers import ROOT, cli
 
 
 def option(name: str):  # type: ignore[no-untyped-def]
@@ -84,18 +84,22 @@ def test_deepspeed_estimators_agree(params: int, largest: int, per_node: int, no
     assert deepspeed_estimate(params, largest, per_node, nodes, option("ddp")) is None
 
 
+def with_node_memory(tmp_path, base: str, partition: str, memory_gb: float):  # type: ignore[no-untyped-def]
+    """A shipped site with one partition's node memory changed."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "sites" / f"{base}.yaml").read_text())
+    data["partitions"][partition]["memory_gb"] = memory_gb
+    path = tmp_path / f"{base}-{memory_gb}gb.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_site(str(path))
+
+
 def test_asynchronous_checkpoints_count_their_host_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An asynchronous DCP save copies each rank's fp32 weights and Adam moments (12 bytes per
     parameter, sharded like the weights) into host memory: 13B on 8 GPUs with FSDP stages 156 GB
     per node, too much for a 128 GB node, while DeepSpeed (synchronous) is unaffected."""
-    from pathlib import Path
-
-    import yaml
-
-    data = yaml.safe_load((Path(__file__).parent.parent / "sites" / "mycluster.yaml").read_text())
-    data["partitions"]["gpu"]["memory_gb"] = 128
-    (tmp_path / "small-host.yaml").write_text(yaml.safe_dump(data))
-    site = load_site(str(tmp_path / "small-host.yaml"))
+    site = with_node_memory(tmp_path, "mycluster", "gpu", 128)
 
     def verdicts(asynchronous: bool):  # type: ignore[no-untyped-def]
         recipe = Recipe.model_validate({
@@ -118,14 +122,7 @@ def test_cpu_ranks_and_staging_share_the_node_memory(tmp_path) -> None:  # type:
     """On a CPU partition the ranks' model states and the checkpoint staging buffers are one
     memory: 125m DDP with 2 ranks (2.1 GB each in fp32) fits a 6 GB node, not with its 3 GB of
     staging buffers."""
-    from pathlib import Path
-
-    import yaml
-
-    data = yaml.safe_load((Path(__file__).parent.parent / "sites" / "local.yaml").read_text())
-    data["partitions"]["local"]["memory_gb"] = 6
-    (tmp_path / "small.yaml").write_text(yaml.safe_dump(data))
-    site = load_site(str(tmp_path / "small.yaml"))
+    site = with_node_memory(tmp_path, "local", "local", 6)
 
     def ddp(asynchronous: bool):  # type: ignore[no-untyped-def]
         recipe = Recipe.model_validate({
