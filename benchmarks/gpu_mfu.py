@@ -4,7 +4,7 @@ for them. MFU is the ratio to the GPU's own dense bf16 peak, the limit it is mea
 (target: >= 45% for a ~1B model on one H100/H200 with the best strategy). The planner's verdict
 is printed beside each strategy, so a run that does not fit is explained, not just missing.
 
-    python benchmarks/gpu_mfu.py [--model 1.3b] [--strategies ddp,fsdp,zero2,zero3] [--micro-batch 2]
+    python benchmarks/gpu_mfu.py [--model 1.3b] [--strategies ddp,fsdp-full,zero2,zero3] [--micro-batch 2]
     python benchmarks/gpu_mfu.py --cpu-check   # the same pipeline on CPU (tiny model, fp32), no MFU claim
 """
 
@@ -18,17 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from scratch import scratch  # benchmarks/scratch.py
+from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
 
-ROOT = Path(__file__).resolve().parent.parent
-STRATEGIES = {
-    "ddp": {"name": "ddp"},
-    "fsdp": {"name": "fsdp", "sharding": "full"},
-    "fsdp-grad_op": {"name": "fsdp", "sharding": "grad_op"},
-    "zero1": {"name": "deepspeed", "stage": 1},
-    "zero2": {"name": "deepspeed", "stage": 2},
-    "zero3": {"name": "deepspeed", "stage": 3},
-}
 # dense bf16 tensor-core TFLOPs by device name; the first match wins (H100 PCIe before H100)
 PEAK_BF16 = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0)]
 
@@ -60,7 +51,7 @@ def planned(site: Path, recipe: Path, option: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="1.3b")
-    parser.add_argument("--strategies", default="ddp,fsdp,zero2,zero3")
+    parser.add_argument("--strategies", default="ddp,fsdp-full,zero2,zero3", help="the planner's option names (hpcrun plan)")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=2, help="2 x 2048 tokens: what the planner fits for 1.3b on 80 GB")
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -69,26 +60,25 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--cpu-check", action="store_true", help="run the pipeline on CPU (tiny, fp32) to check it")
     args = parser.parse_args()
+    from hpcrun.memory import OPTIONS
     from hpcrun.results import load
 
     tmp = scratch("gpu-mfu-")
-    site = yaml.safe_load((ROOT / "sites" / "local.yaml").read_text())
-    site["name"] = "gpu-mfu"
-    site["storage"] = {"runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results")}
     if args.cpu_check:
-        model, precision = "tiny", "fp32"
-        site["partitions"]["local"]["cpu_peak_tflops_per_rank"] = 0.05  # a stand-in peak: MFU means nothing here
+        model, precision, device = "tiny", "fp32", "CPU (--cpu-check)"
+        # a stand-in peak: MFU means nothing here
+        partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": "auto", "memory_gb": 16, "max_time": "1-00:00:00", "cpu_peak_tflops_per_rank": 0.05}
     else:
-        model, precision = args.model, "bf16-mixed"
-        site["partitions"] = {"gpu": gpu_partition()}
-        site["default_partition"] = "gpu"
-    (tmp / "site.yaml").write_text(yaml.safe_dump(site))
-    print(f"device: {site['partitions'].get('gpu', {}).get('gpu', {}).get('model', 'CPU (--cpu-check)')}, model {model}, {precision}")
+        model, precision, partition = args.model, "bf16-mixed", gpu_partition()
+        device = partition["gpu"]["model"]  # type: ignore[index]
+    site = scratch_site(tmp, "local", name="gpu-mfu", partitions={"bench": partition}, default_partition="bench")
+    recipes = {o.name: o.recipe for o in OPTIONS}
+    print(f"device: {device}, model {model}, {precision}")
     print(f"{'strategy':14} {'tokens/s/GPU':>13} {'TFLOPs/GPU':>11} {'MFU':>7} {'peak GiB':>9}  planner")
     best = None
     for name in args.strategies.split(","):
         recipe = {
-            "name": f"mfu-{name}", "job": {"kind": "benchmark", "model": model}, "precision": precision, "strategy": STRATEGIES[name],
+            "name": f"mfu-{name}", "job": {"kind": "benchmark", "model": model}, "precision": precision, "strategy": recipes[name],
             "resources": {"nodes": 1, "gpus_per_node": args.gpus, "time": "01:00:00"},
             "training": {"steps": args.steps, "warmup_steps": args.warmup, "micro_batch": args.micro_batch,
                          "seq_len": 64 if args.cpu_check else args.seq_len, "activation_checkpointing": args.activation_checkpointing},
@@ -96,8 +86,8 @@ def main() -> None:
         }
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(recipe))
-        fits = planned(tmp / "site.yaml", path, {"fsdp": "fsdp-full"}.get(name, name))
-        out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(tmp / "site.yaml"), "--wait", str(path)], cwd=ROOT, capture_output=True, text=True)
+        fits = planned(site, path, name)
+        out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(site), "--wait", str(path)], cwd=ROOT, capture_output=True, text=True)
         rows = load(tmp / "results")
         rows = rows[rows["run_id"].str.endswith(f"mfu-{name}")]
         if out.returncode != 0 or rows.empty or rows.iloc[-1]["status"] != "completed":

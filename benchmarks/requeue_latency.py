@@ -16,9 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from scratch import scratch  # benchmarks/scratch.py
+from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -28,10 +27,7 @@ def main() -> None:
     from hpcrun.results import load
 
     tmp = scratch("requeue-latency-", "/var/tmp")
-    site = yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())
-    site["name"] = "latency"
-    site["storage"] = {"runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results")}
-    (tmp / "site.yaml").write_text(yaml.safe_dump(site))
+    scratch_site(tmp, "testcluster", name="latency")
     hold = next((l.split("cred_expire=")[1].split(",")[0] for l in subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout.splitlines() if "cred_expire=" in l), "120")
     print(f"SLURM requeue hold (AuthInfo cred_expire): {hold} s")
     for n in range(args.repeat):

@@ -10,7 +10,6 @@ import argparse
 import datetime as dt
 import random
 import time
-from pathlib import Path
 
 from scratch import scratch  # benchmarks/scratch.py
 

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from scratch import scratch  # benchmarks/scratch.py
+from scratch import scratch, scratch_site  # benchmarks/scratch.py
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def tool(bindir: Path, name: str, body: str) -> None:
@@ -37,9 +36,7 @@ def main() -> None:
     tool(bindir, "sacctmgr", "exit 0")
     tool(bindir, "squeue", "exit 0")
     os.environ["PATH"] = f"{bindir}:{os.environ['PATH']}"
-    site = yaml.safe_load((ROOT / "sites" / "mycluster.yaml").read_text())
-    site["storage"] = {"runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results")}
-    (tmp / "site.yaml").write_text(yaml.safe_dump(site))
+    scratch_site(tmp, "mycluster")
     recipe = {
         "name": "scale", "job": {"kind": "benchmark", "model": "tiny"}, "resources": {"gpus_per_node": 8, "time": "01:00:00"},
         "sweep": {"axes": {

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from scratch import scratch  # benchmarks/scratch.py
+from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def bare(rank: int, world: int, model: str, steps: int, warmup: int, mb: int, seq: int, port: int, out: str) -> None:
@@ -64,9 +63,7 @@ def run_bare(args: argparse.Namespace, tmp: Path) -> float:
 def run_hpcrun(args: argparse.Namespace, tmp: Path, n: int) -> float:
     from hpcrun.results import load
 
-    site = yaml.safe_load((ROOT / "sites" / "local.yaml").read_text())
-    site["storage"] = {"runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results")}
-    (tmp / "site.yaml").write_text(yaml.safe_dump(site))
+    scratch_site(tmp, "local")
     recipe = {
         "name": f"overhead{n}", "job": {"kind": "benchmark", "model": args.model}, "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:30:00"},
         "training": {"steps": args.steps, "warmup_steps": args.warmup, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": 1e-3},
