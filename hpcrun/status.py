@@ -4,15 +4,14 @@ run directories' markers where accounting is disabled; process liveness for loca
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import subprocess
 import typing as tp
 from pathlib import Path
 
-from hpcrun.backend import STATE_FILE, read_jobs
 from hpcrun.errors import HpcrunError
+from hpcrun.rundir import RunDir
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "STOPPED"}
 
@@ -100,10 +99,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 
 def marker(run_dir: Path) -> dict[str, tp.Any]:
     """The runtime's own last word on the run (written by rank 0 at the end of each attempt)."""
-    try:
-        return dict(json.loads((run_dir / STATE_FILE).read_text()))
-    except (OSError, ValueError):
-        return {}
+    return RunDir(run_dir).state()
 
 
 def _alive(pid: str) -> bool:
@@ -127,7 +123,7 @@ def _alive(pid: str) -> bool:
 
 def statuses(run_dirs: list[Path]) -> list[RunStatus]:
     """The status of each run (its latest job), with one scheduler query for all of them."""
-    latest = {d: read_jobs(d)[-1] for d in run_dirs if read_jobs(d)}
+    latest = {d: job for d in run_dirs if (job := RunDir(d).latest_job())}
     slurm_ids = [j["job_id"] for j in latest.values() if j["scheduler"] == "slurm"]
     rows = sacct(slurm_ids)
     source = "sacct"
@@ -177,7 +173,7 @@ def wait(run_dirs: list[Path], timeout: float | None = None, on_change: tp.Calla
 
 
 def cancel(run_dir: Path) -> str:
-    jobs = read_jobs(run_dir)
+    jobs = RunDir(run_dir).jobs()
     if not jobs:
         raise HpcrunError("no job was submitted for this run", run_dir)
     job = jobs[-1]
@@ -193,5 +189,7 @@ def cancel(run_dir: Path) -> str:
 
 def log_path(run_dir: Path, rank: int, stream: str = "out") -> Path:
     """A rank's log of the run's latest job (an array's logs sit in the sweep's log folder)."""
-    job = read_jobs(run_dir)[-1]
-    return Path(job.get("log_folder") or run_dir / "logs") / f"{job['job_id']}_{rank}_log.{stream}"
+    job = RunDir(run_dir).latest_job()
+    if job is None:
+        raise HpcrunError("no job was submitted for this run (a dry run?), so it has no logs", run_dir)
+    return RunDir(run_dir).log(job["job_id"], rank, stream, job.get("log_folder"))

@@ -1,0 +1,208 @@
+"""The one owner of hpcrun's places on disk: a run directory's layout and file names, a sweep's
+directory, and how every state file is written (atomically, durably) and read (a corrupt file is
+an error naming it, never an empty default).
+
+Everything else asks this module for a path; no other module spells a file name. It imports
+nothing of hpcrun's but the error type, so both the login side and the runtime may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+import typing as tp
+from pathlib import Path
+
+from filelock import FileLock
+
+from hpcrun.errors import HpcrunError
+
+SPEC = "runspec.json"
+SCRIPT = "script.sh"
+JOBS = "jobs.json"
+STATE = "state.json"
+LOGS = "logs"
+CHECKPOINTS = "checkpoints"
+FINAL_WEIGHTS = "final-weights.pt"
+WEIGHTS_DIGEST = "weights.sha256"
+DEEPSPEED_CONFIG = "deepspeed-config.json"
+CONTROLLER_LOG = "controller.log"
+LEDGER = "ledger.json"
+SWEEPS = "sweeps"
+
+
+class CorruptStateError(HpcrunError):
+    """A state file that exists but cannot be read: refused, because guessing (reading it as
+    empty) would resubmit work or overwrite a live run."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"corrupt state file, refusing to guess its content ({why}); inspect or restore it", path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename (or a new entry) in `path` durable: without it a crash can lose the entry
+    even though the file's own data was synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> tp.Iterator[Path]:
+    """A temporary name beside `path` to write to; on success it is synced and renamed over
+    `path` (and the directory synced), so readers see the old file or the new one, never half of
+    one. The temporary name is unique per writer, so concurrent writers never share it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def write_json(path: Path, value: tp.Any) -> None:
+    atomic_write(path, json.dumps(value, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path, missing: tp.Any) -> tp.Any:
+    """The file's JSON, or `missing` when there is no file. Anything else that stops it being
+    read is a CorruptStateError naming the file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return missing
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CorruptStateError(path, f"unreadable: {exc}") from exc
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CorruptStateError(path, f"not JSON: {exc}") from exc
+
+
+def lock(path: Path) -> FileLock:
+    """The lock guarding read-modify-write of `path` between processes (login node and job)."""
+    return FileLock(str(path.with_name(f".{path.name}.lock")))
+
+
+class RunDir:
+    """`<runs_dir>/<run id>/`: runspec.json (the resolved plan), script.sh (what was submitted),
+    jobs.json (every submission), state.json (the runtime's last word), logs/, checkpoints/,
+    and a stage's exported final weights."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def spec(self) -> Path:
+        return self.path / SPEC
+
+    @property
+    def script(self) -> Path:
+        return self.path / SCRIPT
+
+    @property
+    def jobs_file(self) -> Path:
+        return self.path / JOBS
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / STATE
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def final_weights(self) -> Path:
+        return self.path / FINAL_WEIGHTS
+
+    @property
+    def weights_digest(self) -> Path:
+        return self.path / WEIGHTS_DIGEST
+
+    @property
+    def deepspeed_config(self) -> Path:
+        return self.path / DEEPSPEED_CONFIG
+
+    @property
+    def controller_log(self) -> Path:
+        return self.path / LOGS / CONTROLLER_LOG
+
+    def losses(self, job_id: str, restart: int) -> Path:
+        """One attempt's global losses, one per line (what exact-resume tests compare)."""
+        return self.path / f"losses-{job_id}-{restart}.txt"
+
+    def log(self, job_id: str, rank: int, stream: str, folder: str | Path | None = None) -> Path:
+        """A rank's log of a job (an array's logs sit in its sweep's log folder)."""
+        return Path(folder or self.logs) / f"{job_id}_{rank}_log.{stream}"
+
+    def is_run(self) -> bool:
+        return self.spec.exists()
+
+    # submissions -------------------------------------------------------------------------
+    def jobs(self) -> list[dict[str, tp.Any]]:
+        """Every job submitted for this run, oldest first; [] before the first."""
+        jobs = read_json(self.jobs_file, [])
+        if not isinstance(jobs, list) or not all(isinstance(j, dict) and "job_id" in j for j in jobs):
+            raise CorruptStateError(self.jobs_file, "not a list of jobs")
+        return jobs
+
+    def latest_job(self) -> dict[str, tp.Any] | None:
+        jobs = self.jobs()
+        return jobs[-1] if jobs else None
+
+    def record_job(self, job_id: str, scheduler: str, **extra: str) -> None:
+        with lock(self.jobs_file):
+            jobs = self.jobs()
+            jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time(), **extra})
+            atomic_write(self.jobs_file, json.dumps(jobs, indent=1) + "\n")
+
+    # the runtime's marker ----------------------------------------------------------------
+    def state(self) -> dict[str, tp.Any]:
+        """state.json: what the runtime last said of the run ({} before its first attempt ends)."""
+        state = read_json(self.state_file, {})
+        if not isinstance(state, dict):
+            raise CorruptStateError(self.state_file, "not a JSON object")
+        return state
+
+    def update_state(self, state: dict[str, tp.Any], keep: tp.Callable[[dict[str, tp.Any]], bool] | None = None) -> None:
+        """Replace state.json under its lock, unless `keep(current)` says the current one stays."""
+        with lock(self.state_file):
+            current = self.state()
+            if keep is not None and keep(current):
+                return
+            write_json(self.state_file, state)
+
+
+def sweep_dir(runs_dir: str | Path, sweep_id: str) -> Path:
+    """`<runs_dir>/sweeps/<sweep id>/`: the sweep's ledger and its arrays' logs."""
+    return Path(runs_dir) / SWEEPS / sweep_id
