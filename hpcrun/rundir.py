@@ -206,3 +206,10 @@ class RunDir:
 def sweep_dir(runs_dir: str | Path, sweep_id: str) -> Path:
     """`<runs_dir>/sweeps/<sweep id>/`: the sweep's ledger and its arrays' logs."""
     return Path(runs_dir) / SWEEPS / sweep_id
+
+
+def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
+    """A job's own directory on node-local NVMe (ZeRO-Infinity swap files), `<base>/hpcrun-<id>`
+    with the scheduler's id of the allocation (SLURM_JOB_ID, unique per array task). The sbatch
+    template creates and removes it with the same spelling (`nvme_dir_pattern`)."""
+    return f"{nvme_base}/hpcrun-{allocation_id}"
