@@ -67,7 +67,7 @@ def main() -> None:
     recipe = Recipe.model_validate({"name": "c", "job": {"kind": "benchmark", "model": args.model}, "training": {"micro_batch": 2, "seq_len": 128}})
     size = SIZES[args.model]
     if args.threads:
-        strategies.WRITER_THREADS = args.threads
+        ckpt.WRITER_THREADS = args.threads
     engine = strategies.setup(GPT(size, 128), lambda p: torch.optim.AdamW(p, lr=1e-4), recipe, env)
     counter = iter(range(10**9))
 
@@ -112,7 +112,7 @@ def main() -> None:
     interval = Recipe.model_fields["checkpoint"].default.interval
     share = lambda s: s / (s + interval * step) * 100  # noqa: E731
     mib = 2**20
-    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {strategies.WRITER_THREADS}, medians of {len(rows)} rounds:")
+    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {ckpt.WRITER_THREADS}, medians of {len(rows)} rounds:")
     print(f"disk sequential write (fsync, same size, new file): {med('disk') / mib:.0f} MiB/s")
     sync_stall = med("sync_stall")
     print(f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, "

@@ -208,13 +208,13 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
             return ckpt.state_digest({**e.model.module.state_dict(), **optim})
 
         gate = threading.Event()  # holds the background write until training has moved on
-        write_data = strategies._Writer.write_data
+        write_data = ckpt.DcpWriter.write_data
 
         def held(self, plan, planner):  # type: ignore[no-untyped-def]
             assert gate.wait(60)
             return write_data(self, plan, planner)
 
-        monkeypatch.setattr(strategies._Writer, "write_data", held)
+        monkeypatch.setattr(ckpt.DcpWriter, "write_data", held)
         live = engine()
         step(live)
         at_save = digest(live)

@@ -13,15 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from hpcrun.recipe import DDP, FSDP, DeepSpeed, Recipe
+from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
 
 OptimizerFactory = tp.Callable[[tp.Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-WRITER_THREADS = 4
 
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -49,7 +47,7 @@ class TorchEngine:
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
         self.accum = recipe.training.grad_accum
-        self._stager: _ReusedBuffers | None = None
+        self._stager: DefaultStager | None = None
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
@@ -92,7 +90,7 @@ class TorchEngine:
         loads at another world size."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._state(), storage_writer=_Writer(directory))
+        dcp.save(self._state(), storage_writer=checkpoint.DcpWriter(directory))
 
     def save_async(self, directory: Path, group: tp.Any) -> Future[tp.Any]:
         """`save` with only the copy to host memory on the caller's time; the write runs in a
@@ -100,9 +98,9 @@ class TorchEngine:
         rank once every rank's part is durable and DCP's metadata is written."""
         import torch.distributed.checkpoint as dcp
 
-        if self._stager is None:
-            self._stager = _ReusedBuffers()
-        return dcp.async_save(self._state(), storage_writer=_Writer(directory), process_group=group, async_stager=self._stager)  # type: ignore[return-value]
+        if self._stager is None:  # one per engine: its host buffers are reused from save to save
+            self._stager = checkpoint.host_stager()
+        return dcp.async_save(self._state(), storage_writer=checkpoint.DcpWriter(directory), process_group=group, async_stager=self._stager)  # type: ignore[return-value]
 
     def load(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -113,59 +111,6 @@ class TorchEngine:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
-
-
-class _ReusedBuffers(AsyncStager):
-    """Stages the state for an asynchronous save into host buffers allocated at the first save
-    and reused after (pinned on GPU nodes, for fast device-to-host copies): what DCP's
-    BlockingAsyncStager(cache_staged_state_dict=True) does, which pins unconditionally and so
-    fails on CPU-only torch. Reuse is safe because a save starts only after the previous one
-    is written; it halves the stall here (no fresh pages to fault in) and keeps host memory flat."""
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, tp.Any] | None = None
-
-    def stage(self, state_dict: dict[str, tp.Any]) -> dict[str, tp.Any]:
-        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
-
-        if self._buffers is not None:
-            try:  # tensors into the buffers; numbers (learning rates, step counts) as they are now
-                return _copy_state_dict(state_dict, self._buffers)
-            except (CompanionMismatch, RuntimeError):  # the state changed keys or shapes: buffers anew
-                self._buffers = None
-        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self._buffers)
-
-    def synchronize_staging(self) -> None:
-        """The copy in `stage` is complete when it returns."""
-
-
-class _Writer(FileSystemWriter):
-    """DCP's file writer, fsynced (a checkpoint must survive the node), with several threads,
-    and without torch.save's per-record CRC32: computing it limits one thread to ~290 MB/s where
-    the disk takes ~1.7 GB/s (benchmarks/checkpoint_cost.py). Completeness is what the manifest,
-    written after every rank's fsync, vouches for; torch.load reads such files as usual."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(str(directory), sync_files=True, thread_count=WRITER_THREADS)
-
-    def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
-        # process-wide flag: a torch.save elsewhere during a background write skips its CRC too
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            future = super().write_data(plan, planner)
-        finally:
-            torch.serialization.set_crc32_options(crc)
-        # A helper thread of FileSystemWriter that raises dies alone and its items are silently
-        # missing from the results: count them, so that the save fails on every rank (DCP
-        # gathers this error) rather than publishing a checkpoint with holes.
-        written = len(future.wait())
-        if written != len(plan.items):
-            raise OSError(f"{self.path}: checkpoint writer lost {len(plan.items) - written} of {len(plan.items)} items")
-        return future
 
 
 class DeepSpeedEngine:
