@@ -32,7 +32,7 @@ def doctor(site_name: str, nodes: int, login_only: bool) -> None:
     ranks = min(part.max_ranks_per_node, 2) if not part.gpus_per_node else part.gpus_per_node
     probe = Recipe.model_validate({
         "name": "doctor", "resources": {"nodes": nodes, "gpus_per_node": ranks, "time": min(10, part.max_time)},
-        "job": {"kind": "command", "command": [site.environment.python or _sys.executable, "-m", "hpcrun.runtime.probe"]},
+        "job": {"kind": "command", "command": [*(site.environment.python or [_sys.executable]), "-m", "hpcrun.runtime.probe"]},
         "checkpoint": {"max_requeues": 0},  # a probe that fails has found something: never retry it
     })
     spec = plan(site, probe, site.source or site.name, new_run_id("doctor"))

@@ -37,8 +37,9 @@ def environment(extra_dir: str | None) -> jinja2.Environment:
 
 def python_command(spec: RunSpec) -> str:
     """How a task starts Python: the site's interpreter (e.g. inside a container) or the one
-    running hpcrun, which is what submitit does by default."""
-    return spec.site.environment.python or shlex.quote(sys.executable)
+    running hpcrun, which is what submitit does by default. Each word is quoted: the site's
+    interpreter is data, not shell code."""
+    return " ".join(quote(word) for word in spec.site.environment.python or [sys.executable])
 
 
 def task_command(spec: RunSpec, folder: Path | None = None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import shlex
 import string
 import sys
 import typing as tp
@@ -120,7 +121,22 @@ class Environment(Frozen):
     setup: list[Line] = []
     container: Container | None = None
     sbatch: list[Token] = []
-    python: Line | None = None
+    python: list[Line] | None = pydantic.Field(default=None, min_length=1)
+    """The interpreter command inside the job, as words (`[python]`, `[conda, run, -n, ml, python]`).
+    Each word is quoted like every other value: it is not shell code (that is `setup`). A plain
+    string is still accepted and split into words the way a shell would split it."""
+
+    @pydantic.field_validator("python", mode="before")
+    @classmethod
+    def _words(cls, value: tp.Any) -> tp.Any:
+        if isinstance(value, str):
+            if "\n" in value or "\r" in value or "\0" in value:
+                raise ValueError(f"must be a single line (got {value!r})")
+            try:
+                return shlex.split(value)
+            except ValueError as exc:
+                raise ValueError(f"cannot be split into words ({exc}); write it as a list of words (got {value!r})") from None
+        return value
 
     @pydantic.field_validator("sbatch")
     @classmethod

@@ -5,6 +5,8 @@ carries no extra #SBATCH directive."""
 
 from __future__ import annotations
 
+import copy
+import shlex
 import stat
 import subprocess
 import typing as tp
@@ -23,9 +25,16 @@ PAYLOADS = [
     "x;touch {mark}",
     "--account=evil #SBATCH --qos=evil",
 ]
-STUBS = ["srun", "module", "python", "apptainer", "singularity", "mkdir-never"]
+# The scheduler's and the site's tools, stubbed at the process boundary: each logs its call
+# (srun also the environment it was handed) and runs nothing it was given.
+STUBS = ["srun", "sbatch", "module", "python", "apptainer", "singularity", "enroot"]
+STUB = """#!/bin/sh
+{{ printf '%s' "$(basename "$0")"; printf ' %s' "$@"; echo " | MASTER_ADDR=$MASTER_ADDR MY_FLAG=$MY_FLAG HPCRUN_NVME_DIR=$HPCRUN_NVME_DIR"; }} >>{log}
+"""
 # Site setup lines are the site's own shell by design: they are checked for newlines only.
 SITE_SHELL = {"environment.setup"}
+# What the test sites' setup line sources, relative to the script's directory: it logs that it ran.
+ACTIVATE = "venv/bin/activate"
 
 
 def leaves(data: tp.Any, prefix: str = "") -> list[str]:
@@ -59,15 +68,22 @@ def directives(script: str) -> list[str]:
     return names
 
 
-def run_script(script: str, tmp: Path) -> None:
+def run_script(script: str, tmp: Path) -> tuple[int, str]:
+    """Run `script` as sbatch would start it, with stubs for the scheduler's and the site's
+    tools on PATH; (exit status, the stubs' call log)."""
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
+    log = tmp / "calls.log"
+    log.unlink(missing_ok=True)
     for name in STUBS:
         stub = bindir / name
-        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.write_text(STUB.format(log=shlex.quote(str(log))))
         stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     (bindir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bindir / "scontrol").chmod(0o755)
+    activate = tmp / ACTIVATE
+    activate.parent.mkdir(parents=True, exist_ok=True)
+    activate.write_text(f"echo setup >>{shlex.quote(str(log))}\n")
     path = tmp / "job.sh"
     path.write_text(script)
     env = {
@@ -78,34 +94,57 @@ def run_script(script: str, tmp: Path) -> None:
         "SUBMITIT_LOCAL_JOB_ID": "123",
         "HOME": str(tmp),
     }
-    subprocess.run(["bash", str(path)], env=env, cwd=tmp, capture_output=True, timeout=30)
+    out = subprocess.run(["bash", str(path)], env=env, cwd=tmp, capture_output=True, text=True, timeout=30)
+    return out.returncode, (log.read_text() if log.exists() else "") + out.stderr
 
 
-SITE = load_yaml(ROOT / "sites" / "mycluster.yaml")
-SITE_CONTAINER = load_yaml(ROOT / "sites" / "slingshot.yaml")
+def launched(calls: str) -> bool:
+    """The script reached its last command: srun started the task entry point."""
+    return any(line.startswith("srun ") and "-m hpcrun.launch" in line for line in calls.splitlines())
+
+
+def with_setup(site: dict[str, tp.Any], python: tp.Any = None) -> dict[str, tp.Any]:
+    """A site whose setup line works in the test's directory (a shipped site's sources a
+    virtualenv this machine lacks, and `set -e` would stop the script there)."""
+    data = copy.deepcopy(site)
+    if data["environment"].get("setup"):
+        data["environment"]["setup"] = [f"source {ACTIVATE}"]
+    if python is not None:
+        data["environment"]["python"] = python
+    return data
+
+
+SITE = with_setup(load_yaml(ROOT / "sites" / "mycluster.yaml"))
+SITE_WORDS = with_setup(SITE, python=["conda", "run", "-n", "ml", "python"])  # environment.python as a list
+SITE_CONTAINER = with_setup(load_yaml(ROOT / "sites" / "slingshot.yaml"))
 RECIPE = load_yaml(ROOT / "jobs" / "zero-infinity.yaml")
 RECIPE["env"] = {"MY_FLAG": "value"}
+QUICKSTART = load_yaml(ROOT / "jobs" / "quickstart.yaml")  # a container site has no NVMe for zero-infinity
 CASES = (
-    [("site", SITE, p) for p in leaves(SITE)]
-    + [("site", SITE_CONTAINER, p) for p in leaves(SITE_CONTAINER) if "container" in p]
-    + [("recipe", RECIPE, p) for p in leaves(RECIPE)]
+    [("site", "mycluster", SITE, p) for p in leaves(SITE)]
+    + [("site", "words", SITE_WORDS, p) for p in leaves(SITE_WORDS) if p.startswith("environment.python.")]
+    + [("site", "container", SITE_CONTAINER, p) for p in leaves(SITE_CONTAINER) if p.startswith(("environment.container", "environment.python"))]
+    + [("recipe", "zero-infinity", RECIPE, p) for p in leaves(RECIPE)]
 )
 
 
-@pytest.mark.parametrize("kind,base,field", CASES, ids=[f"{k}:{p}" for k, b, p in CASES])
+@pytest.mark.parametrize("kind,base,field", [(k, b, f) for k, _, b, f in CASES], ids=[f"{c[1]}:{c[3]}" for c in CASES])
 def test_hostile_value(kind: str, base: dict[str, tp.Any], field: str, tmp_path: Path) -> None:
-    baseline_site = write_yaml(tmp_path / "base-site.yaml", {**base, "name": "hostile"} if kind == "site" else SITE)
-    baseline = cli("render", "--site", str(baseline_site), "--run-id", "r1", str(ROOT / "jobs" / "zero-infinity.yaml"))
-    if kind == "site" and "container" in base.get("environment", {}):
-        baseline = cli("render", "--site", str(baseline_site), "--run-id", "r1", str(ROOT / "jobs" / "quickstart.yaml"))
+    site = base if kind == "site" else SITE
+    recipe = base if kind == "recipe" else (QUICKSTART if site is SITE_CONTAINER else RECIPE)
+    baseline = cli(
+        "render", "--site", str(write_yaml(tmp_path / "base-site.yaml", site)), "--run-id", "r1", str(write_yaml(tmp_path / "base-recipe.yaml", recipe))
+    )
     assert baseline.exit_code == 0, baseline.output
     expected = directives(baseline.stdout)
+    status, calls = run_script(baseline.stdout, tmp_path)
+    assert status == 0 and launched(calls), calls
     for n, payload in enumerate(PAYLOADS):
         mark = tmp_path / f"pwned{n}"
-        data = load_yaml(write_yaml(tmp_path / "copy.yaml", base))
+        data = copy.deepcopy(base)
         set_path(data, field, payload.format(mark=mark))
-        site_file = write_yaml(tmp_path / f"site{n}.yaml", data if kind == "site" else SITE)
-        recipe_file = write_yaml(tmp_path / f"recipe{n}.yaml", data if kind == "recipe" else (RECIPE if "container" not in str(field) else load_yaml(ROOT / "jobs" / "quickstart.yaml")))
+        site_file = write_yaml(tmp_path / f"site{n}.yaml", data if kind == "site" else site)
+        recipe_file = write_yaml(tmp_path / f"recipe{n}.yaml", data if kind == "recipe" else recipe)
         result = cli("render", "--site", str(site_file), "--run-id", "r1", str(recipe_file))
         if result.exit_code != 0:
             assert result.exit_code == 2, result.output
@@ -118,8 +157,10 @@ def test_hostile_value(kind: str, base: dict[str, tp.Any], field: str, tmp_path:
         assert directives(script) == expected, f"{field}={payload!r} changed the #SBATCH header"
         if any(field.startswith(s) for s in SITE_SHELL):
             continue
-        run_script(script, tmp_path)
+        status, calls = run_script(script, tmp_path)
         assert not mark.exists(), f"{field}={payload!r} executed an injected command"
+        assert status == 0, f"{field}={payload!r}: the script exited {status}\n{calls}"
+        assert launched(calls), f"{field}={payload!r}: the script stopped before its srun line\n{calls}"
 
 
 def test_setup_lines_reject_newlines(tmp_path: Path) -> None:
@@ -131,9 +172,43 @@ def test_setup_lines_reject_newlines(tmp_path: Path) -> None:
     assert "environment.setup.0: must be a single line" in result.output
 
 
+@pytest.mark.parametrize(
+    "site,recipe,launch",
+    [
+        (SITE, "zero-infinity", "srun --unbuffered --kill-on-bad-exit=1"),
+        (SITE_WORDS, "zero-infinity", "conda run -n ml python -u -m hpcrun.launch"),
+        (SITE_CONTAINER, "quickstart", "apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif python -u -m hpcrun.launch"),
+    ],
+    ids=["mycluster", "python-words", "container"],
+)
+def test_rendered_script_runs_every_line(site: dict[str, tp.Any], recipe: str, launch: str, tmp_path: Path) -> None:
+    """The harness reaches the end of each kind of script: setup, modules, exports, the first
+    node's name, the NVMe directory and the launch line all really execute."""
+    data = load_yaml(ROOT / "jobs" / f"{recipe}.yaml")
+    data["env"] = {"MY_FLAG": "value"}
+    result = cli("render", "--site", str(write_yaml(tmp_path / "s.yaml", site)), "--run-id", "r1", str(write_yaml(tmp_path / "r.yaml", data)))
+    assert result.exit_code == 0, result.output
+    status, calls = run_script(result.stdout, tmp_path)
+    assert status == 0, calls
+    lines = calls.splitlines()
+    assert any(line.startswith("module load ") for line in lines), calls
+    assert ("setup" in lines) == (site is not SITE_CONTAINER), calls
+    (task,) = [line for line in lines if "-m hpcrun.launch" in line]
+    assert task.startswith("srun ") and launch in task, task
+    expected = "MASTER_ADDR=node1-ib" if site is not SITE_CONTAINER else "MASTER_ADDR=node1 "
+    assert expected in task and "MY_FLAG=value" in task, task
+    if recipe == "zero-infinity":
+        assert any(line.startswith("srun ") and " mkdir -p /local/nvme/" in line for line in lines), calls
+        assert "HPCRUN_NVME_DIR=/local/nvme/" in task and task.split("HPCRUN_NVME_DIR=")[1].endswith("/hpcrun-123"), task
+        assert " rm -rf /local/nvme/" in lines[-1], calls  # the EXIT trap
+
+
 def test_injection_detector_works(tmp_path: Path) -> None:
-    """The harness itself: an unquoted payload really does run, so a pass above means something."""
+    """The harness itself: an unquoted payload really does run, a failing line is seen, and a
+    script that stops early is told apart, so a pass above means something."""
     mark = tmp_path / "pwned"
-    run_script(f"#!/bin/bash\nexport X=$(touch {mark})\n", tmp_path)
-    assert mark.exists()
+    status, calls = run_script(f"#!/bin/bash\nexport X=$(touch {mark})\nsrun python -u -m hpcrun.launch x\n", tmp_path)
+    assert mark.exists() and status == 0 and launched(calls)
+    status, calls = run_script("#!/bin/bash\nset -e\nsource /nonexistent/activate\nsrun python -u -m hpcrun.launch x\n", tmp_path)
+    assert status != 0 and not launched(calls)
     assert directives("#!/bin/bash\n#SBATCH --a=1\n#SBATCH --b\necho\n#SBATCH --c\n") == ["--a", "--b"]
