@@ -1,17 +1,16 @@
 """A sweep's ledger on disk: point -> run -> job. Every read-decide-submit-record cycle holds a
-file lock, so a cron run and a manual run on the login node never submit a point twice."""
+file lock, so a cron run and a manual run on the login node never submit a point twice.
+
+A ledger that exists but cannot be read is refused (CorruptStateError, one line, exit 2):
+reading it as empty would submit every point again."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import typing as tp
 from pathlib import Path
 
-from filelock import FileLock
-
-LEDGER = "ledger.json"
+from hpcrun.rundir import LEDGER, CorruptStateError, lock, read_json, write_json
 
 
 class Ledger:
@@ -25,22 +24,23 @@ class Ledger:
     def locked(cls, directory: Path) -> tp.Iterator["Ledger"]:
         """The ledger, read under the lock; `save` it before leaving the block."""
         directory.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(directory / ".ledger.lock")):
+        with lock(directory / LEDGER):
             ledger = cls(directory)
             ledger.points = cls.read(directory)
             yield ledger
 
     @staticmethod
     def read(directory: Path) -> dict[str, dict[str, tp.Any]]:
-        try:
-            return dict(json.loads((directory / LEDGER).read_text())["points"])
-        except (OSError, ValueError, KeyError):
-            return {}
+        """The points recorded so far; {} only when there is no ledger yet."""
+        path = directory / LEDGER
+        data = read_json(path, {"points": {}})
+        points = data.get("points") if isinstance(data, dict) else None
+        if not isinstance(points, dict) or not all(isinstance(entry, dict) for entry in points.values()):
+            raise CorruptStateError(path, "not a ledger: expected {\"points\": {point id: {...}}}")
+        return dict(points)
 
     def record(self, point_id: str, **fields: tp.Any) -> None:
         self.points[point_id] = {**self.points.get(point_id, {}), **fields}
 
     def save(self) -> None:
-        tmp = self.path.with_name(f".{LEDGER}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"points": self.points}, indent=1, sort_keys=True))
-        tmp.replace(self.path)
+        write_json(self.path, {"points": self.points})

@@ -1,15 +1,15 @@
 """Where runs stand: one batched `sacct` for every SLURM job asked about; `squeue` plus the
-run directories' markers where accounting is disabled; process liveness for local runs."""
+run directories' markers where accounting is disabled; process liveness for local runs.
+Read-only: cancelling is hpcrun.cancel, finding and following logs is hpcrun.logs."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import subprocess
 import typing as tp
 from pathlib import Path
 
+from hpcrun import slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
 
@@ -46,7 +46,7 @@ def sacct(job_ids: list[str]) -> dict[str, SchedulerRow] | None:
     None when accounting is disabled."""
     if not job_ids:
         return {}
-    out = _run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
+    out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
     if out.returncode != 0:
         if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
             return None
@@ -70,7 +70,9 @@ def parse_sacct(text: str) -> dict[str, SchedulerRow]:
 def squeue(job_ids: list[str]) -> dict[str, SchedulerRow]:
     if not job_ids:
         return {}
-    out = _run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M|%r"])
+    out = slurm.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M|%r"])
+    if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
+        raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
     rows = {}
     for line in out.stdout.splitlines():
         parts = line.split("|")
@@ -90,19 +92,12 @@ def _elapsed(text: str) -> int | None:
         return None
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError as exc:
-        raise HpcrunError(f"{cmd[0]} is not on PATH: status of SLURM runs needs a SLURM login node") from exc
-
-
 def marker(run_dir: Path) -> dict[str, tp.Any]:
     """The runtime's own last word on the run (written by rank 0 at the end of each attempt)."""
     return RunDir(run_dir).state()
 
 
-def _alive(pid: str) -> bool:
+def alive(pid: str) -> bool:
     """Whether a local job's controller still runs. When this process started it (submit
     --wait), a finished controller is a zombie until reaped, and kill(pid, 0) still succeeds."""
     try:
@@ -134,7 +129,7 @@ def statuses(run_dirs: list[Path]) -> list[RunStatus]:
         mark = marker(run_dir)
         own = mark if mark.get("job_id") == job["job_id"] else {}
         if job["scheduler"] == "local":
-            state = "RUNNING" if _alive(job["job_id"]) else _from_marker(own)
+            state = "RUNNING" if alive(job["job_id"]) else _from_marker(own)
             result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), own.get("reason") or "", "local"))
             continue
         row = rows.get(job["job_id"])
@@ -170,26 +165,3 @@ def wait(run_dirs: list[Path], timeout: float | None = None, on_change: tp.Calla
         if (current and all(s.done for s in current)) or (deadline is not None and time.time() > deadline):
             return current
         time.sleep(1)
-
-
-def cancel(run_dir: Path) -> str:
-    jobs = RunDir(run_dir).jobs()
-    if not jobs:
-        raise HpcrunError("no job was submitted for this run", run_dir)
-    job = jobs[-1]
-    if job["scheduler"] == "local":
-        if _alive(job["job_id"]):
-            os.kill(int(job["job_id"]), signal.SIGTERM)  # the controller forwards it; ranks save and stop
-        return job["job_id"]
-    out = _run(["scancel", job["job_id"]])
-    if out.returncode != 0:
-        raise HpcrunError(f"scancel failed: {out.stderr.strip()}")
-    return job["job_id"]
-
-
-def log_path(run_dir: Path, rank: int, stream: str = "out") -> Path:
-    """A rank's log of the run's latest job (an array's logs sit in the sweep's log folder)."""
-    job = RunDir(run_dir).latest_job()
-    if job is None:
-        raise HpcrunError("no job was submitted for this run (a dry run?), so it has no logs", run_dir)
-    return RunDir(run_dir).log(job["job_id"], rank, stream, job.get("log_folder"))

@@ -14,7 +14,8 @@ import yaml
 from hpcrun.ledger import Ledger
 from hpcrun.recipe import Sweep, load_recipe
 from hpcrun.site import load_site
-from hpcrun.sweep import arrays, expand, point_id, points
+from hpcrun.campaign import arrays, points
+from hpcrun.sweep import expand, point_id
 from tests.helpers import ROOT
 from tests.runs import site_copy
 from tests.test_backend_fake import fake_tools

@@ -1,4 +1,5 @@
-"""`hpcrun results` (table, comparison, compaction, regression check) and `hpcrun report`."""
+"""`hpcrun results` (table, comparison, compaction, regression check) and `hpcrun report`: what
+the runs measured."""
 
 from __future__ import annotations
 
@@ -7,17 +8,17 @@ from pathlib import Path
 
 import click
 
-from hpcrun.cli import main, site_option
+from hpcrun.cli.options import results_options, site_option, with_options
 from hpcrun.errors import HpcrunError
 
 
 def _results_frame(site_name: str, results_dir: Path | None, filters: dict[str, tp.Any], since: str | None) -> tp.Any:
+    import warnings
+
     import pandas as pd
 
     from hpcrun.results import load
     from hpcrun.site import load_site
-
-    import warnings
 
     directory = results_dir or load_site(site_name).results_dir
     with warnings.catch_warnings(record=True) as caught:
@@ -45,26 +46,8 @@ def _emit(df: tp.Any, fmt: str) -> None:
         click.echo(tabulate(table, headers="keys", tablefmt="github" if fmt == "markdown" else "simple", showindex=False, floatfmt=".4g"))
 
 
-results_options = [
-    site_option,
-    click.option("--dir", "results_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="A results directory (default: the site's)."),
-    click.option("--sweep", default=None, help="Only this sweep id."),
-    click.option("--strategy", default=None, help="Only this strategy."),
-    click.option("--since", default=None, help="Only runs started at or after this date/time (UTC)."),
-]
-
-
-def _with(options: list[tp.Callable[..., tp.Any]]) -> tp.Callable[..., tp.Any]:
-    def apply(fn: tp.Callable[..., tp.Any]) -> tp.Callable[..., tp.Any]:
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return apply
-
-
-@main.group(invoke_without_command=True)
-@_with(results_options)
+@click.group(invoke_without_command=True)
+@with_options(results_options)
 @click.option("--compare", "compare_keys", default=None, help="Pivot by these columns, e.g. strategy,nodes.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True)
 @click.pass_context
@@ -95,7 +78,7 @@ def results_compact(site_name: str, results_dir: Path | None) -> None:
 
 
 @results.command("check")
-@_with(results_options)
+@with_options(results_options)
 @click.option("--baseline", type=click.Path(dir_okay=False, path_type=Path), required=True, help="YAML of references.")
 def results_check(site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, baseline: Path) -> None:
     """Compare against recorded references; exit code 1 on a regression."""
@@ -109,8 +92,8 @@ def results_check(site_name: str, results_dir: Path | None, sweep: str | None, s
         raise SystemExit(1)
 
 
-@main.command()
-@_with(results_options)
+@click.command()
+@with_options(results_options)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("hpcrun-report"), show_default=True)
 def report(site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, out: Path) -> None:
     """Draw throughput and MFU against nodes and peak memory per strategy (PNG + HTML)."""
@@ -121,3 +104,6 @@ def report(site_name: str, results_dir: Path | None, sweep: str | None, strategy
         raise HpcrunError("no completed runs to draw", field="--dir" if results_dir else "--site")
     for path in draw(df, out):
         click.echo(str(path))
+
+
+COMMANDS = [results, report]

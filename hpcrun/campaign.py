@@ -1,0 +1,184 @@
+"""Submitting a sweep: plan every point, then, holding the sweep's ledger lock from reading to
+recording, submit only the points not yet submitted (and, if asked, those that failed), as job
+arrays of points that render to the same script. Concurrent invocations submit each point once.
+
+State on disk is checked before anything is sent: a corrupt ledger, or a point's run directory
+whose jobs or state file cannot be read, stops the sweep with one line and submits nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import typing as tp
+from pathlib import Path
+
+from hpcrun import backend, render, slurm
+from hpcrun.errors import HpcrunError
+from hpcrun.ledger import Ledger
+from hpcrun.memory import misfit
+from hpcrun.plan import RunSpec, plan_point
+from hpcrun.recipe import RecipeFile
+from hpcrun.rundir import RunDir, sweep_dir
+from hpcrun.site import Site
+from hpcrun.status import statuses, wait
+from hpcrun.sweep import describe, expand, point_id, sweep_id
+
+FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+# without an accounting storage plugin there are no association limits such as MaxSubmitJobs
+NO_ACCOUNTING = "accounting_storage plugin"
+MAX_ARRAY_SIZE = 1001  # SLURM's default, used when the controller is not asked (dry run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    point_id: str
+    overrides: dict[str, tp.Any]
+    spec: RunSpec | None
+    skipped: str | None = None
+
+    @property
+    def label(self) -> str:
+        return describe(self.overrides)
+
+
+def points(site: Site, recipe_file: RecipeFile, sid: str) -> list[Point]:
+    """Every point, planned on `site`; one that cannot run there is kept with the reason."""
+    assert recipe_file.sweep is not None
+    result = []
+    for overrides in expand(recipe_file.sweep):
+        pid = point_id(overrides)
+        try:
+            spec = plan_point(site, recipe_file, sid, overrides)
+            reason = misfit(spec)
+            result.append(Point(pid, overrides, None if reason else spec, reason))
+        except HpcrunError as exc:
+            result.append(Point(pid, overrides, None, exc.message.split(": ", 1)[-1]))
+    return result
+
+
+def arrays(
+    specs: list[RunSpec], max_array_size: int, headroom: int | None, key: tp.Callable[[RunSpec], str] = render.array_key
+) -> tuple[list[list[RunSpec]], list[RunSpec]]:
+    """(chunks to submit as arrays, points deferred for lack of MaxSubmitJobs headroom): points
+    grouped by the script they render to (`key`), each group split to stay under MaxArraySize."""
+    groups: dict[str, list[RunSpec]] = {}
+    for spec in specs:
+        groups.setdefault(key(spec), []).append(spec)
+    chunks: list[list[RunSpec]] = []
+    deferred: list[RunSpec] = []
+    budget = headroom
+    for group in groups.values():
+        for start in range(0, len(group), max_array_size):
+            chunk = group[start : start + max_array_size]
+            if budget is not None:
+                chunk, rest = chunk[:budget], chunk[budget:]
+                deferred.extend(rest)
+                budget -= len(chunk)
+            if chunk:
+                chunks.append(chunk)
+    return chunks, deferred
+
+
+@dataclasses.dataclass
+class Outcome:
+    sweep_id: str
+    directory: Path
+    submitted: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (point, job)
+    arrays: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)  # (array spec, points)
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, reason)
+    deferred: list[str] = dataclasses.field(default_factory=list)
+    already: int = 0
+    scripts: list[str] = dataclasses.field(default_factory=list)
+
+
+def check_run_dirs(all_points: list[Point]) -> None:
+    """Read every planned point's jobs and state files, so a corrupt one stops the sweep here,
+    before the first submission, instead of halfway through it (CorruptStateError)."""
+    for p in all_points:
+        if p.spec is not None:
+            run_dir = RunDir(p.spec.run_dir)
+            run_dir.jobs()
+            run_dir.state()
+
+
+def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_failed: bool = False) -> Outcome:
+    """Submit the points of a sweep that are missing (and, if asked, those that failed)."""
+    sid = sweep_id(recipe_file, site)
+    root = sweep_dir(site.storage.runs_dir, sid)
+    outcome = Outcome(sid, root)
+    all_points = points(site, recipe_file, sid)
+    limit = recipe_file.sweep.max_concurrent if recipe_file.sweep else None
+    with Ledger.locked(root) as ledger:
+        check_run_dirs(all_points)
+        retry: set[str] = set()
+        if retry_failed:
+            dirs = {p.point_id: Path(p.spec.run_dir) for p in all_points if p.spec and ledger.points.get(p.point_id, {}).get("job_id")}
+            failed = {s.run_id for s in statuses(list(dirs.values())) if s.state in FAILED}
+            retry = {pid for pid, d in dirs.items() if d.name in failed}
+        todo = []
+        for p in all_points:
+            if p.skipped:
+                outcome.skipped.append((p.label, p.skipped))
+                ledger.record(p.point_id, label=p.label, state="skipped", reason=p.skipped)
+            elif ledger.points.get(p.point_id, {}).get("job_id") and p.point_id not in retry:
+                outcome.already += 1
+            else:
+                todo.append(p)
+        specs = [p.spec for p in todo if p.spec]
+        by_run = {p.spec.run_id: p for p in todo if p.spec}
+        if site.scheduler == "local":  # one machine: points run one after another
+            for spec in specs:
+                point = by_run[spec.run_id]
+                outcome.arrays.append(("local", [point.label]))
+                if dry_run:
+                    outcome.scripts.append(render.render(spec))
+                    continue
+                backend.prepare(spec)
+                job = backend.submit(spec)
+                outcome.submitted.append((point.label, job))
+                ledger.record(point.point_id, label=point.label, run_id=spec.run_id, job_id=job, state="submitted")
+                ledger.save()
+                wait([Path(spec.run_dir)])
+        else:
+            chunks, deferred = arrays(specs, *(limits() if not dry_run else (MAX_ARRAY_SIZE, None)))
+            outcome.deferred = [by_run[s.run_id].label for s in deferred]
+            for chunk in chunks:
+                spec_text = f"0-{len(chunk) - 1}" + (f"%{limit}" if limit else "")
+                outcome.arrays.append((spec_text, [by_run[s.run_id].label for s in chunk]))
+                if dry_run:
+                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs"))
+                    continue
+                jobs = backend.submit_array(chunk, root / "logs", limit)
+                for spec, job in zip(chunk, jobs):
+                    point = by_run[spec.run_id]
+                    outcome.submitted.append((point.label, job))
+                    ledger.record(point.point_id, label=point.label, run_id=spec.run_id, job_id=job, state="submitted")
+                ledger.save()  # after each array: a later failure keeps what went out
+        if not dry_run:
+            ledger.save()
+    return outcome
+
+
+def limits() -> tuple[int, int | None]:
+    """(MaxArraySize, jobs the user may still submit under MaxSubmitJobs, or None if unlimited).
+    A SLURM tool that is missing, fails or hangs is one line: guessing a limit could submit an
+    array the controller refuses halfway through a sweep."""
+    config = _ask(["scontrol", "show", "config"], "read MaxArraySize")
+    size = next((int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"), MAX_ARRAY_SIZE)
+    user = getpass.getuser()
+    assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={user}", "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
+    caps = [int(x) for x in assoc.split() if x.strip().isdigit()]
+    if not caps:
+        return size, None
+    queued = _ask(["squeue", "-h", "-r", "-u", user, "-o", "%i"], "count queued jobs").split()
+    return size, max(0, min(caps) - len(queued))
+
+
+def _ask(cmd: list[str], why: str, empty_when: str | None = None) -> str:
+    out = slurm.run(cmd)
+    if out.returncode != 0 and empty_when and empty_when in (out.stderr + out.stdout).lower():
+        return ""
+    if out.returncode != 0:
+        raise HpcrunError(f"{cmd[0]} failed ({why} for the sweep): {out.stderr.strip() or out.stdout.strip() or f'exit status {out.returncode}'}")
+    return out.stdout

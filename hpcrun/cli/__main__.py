@@ -1,0 +1,5 @@
+"""`python -m hpcrun.cli`, the same as `hpcrun`."""
+
+from hpcrun.cli import main
+
+main(prog_name="hpcrun")

@@ -1,0 +1,85 @@
+"""`hpcrun render`, `hpcrun validate`, `hpcrun plan`: what a recipe would do on a site, before
+anything is sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hpcrun.cli.options import site_option
+from hpcrun.errors import HpcrunError
+
+
+@click.command()
+@site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--run-id", default=None, help="Render for this run id (submit prints the one it used).")
+@click.option("--index", default=0, show_default=True, help="Which stage or sweep point to print.")
+def render(site_name: str, recipe: Path, run_id: str | None, index: int) -> None:
+    """Print the script that `submit` would send for RECIPE on a site."""
+    from hpcrun.plan import new_run_id, runs_of
+    from hpcrun.recipe import load_recipe
+    from hpcrun.render import render as render_script
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    specs = runs_of(site, recipe_file, run_id or new_run_id(recipe_file.base.name))
+    if not 0 <= index < len(specs):
+        raise HpcrunError(f"must be between 0 and {len(specs) - 1} for this recipe (got {index})", field="--index")
+    if len(specs) > 1:
+        click.echo(f"# {len(specs)} runs in this recipe; showing --index {index} ({specs[index].run_id})", err=True)
+    click.echo(render_script(specs[index]), nl=False)
+
+
+@click.command()
+@click.option("--site", "site_name", default=None, help="Also check recipes against this site.")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+def validate(site_name: str | None, files: tuple[Path, ...]) -> None:
+    """Check site profiles and recipes; one line per file, exit code 2 if any is wrong."""
+    from hpcrun.site import load_site
+    from hpcrun.validation import check_file
+
+    site = load_site(site_name) if site_name else None
+    failed = 0
+    for file in files:
+        try:
+            click.echo(f"ok    {file}: {check_file(file, site)}")
+        except HpcrunError as exc:
+            failed += 1
+            click.echo(f"error {exc.message}", err=True)
+    if failed:
+        raise SystemExit(2)
+
+
+@click.command("plan")
+@site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+def plan_command(site_name: str, recipe: Path) -> None:
+    """Memory per GPU, host and NVMe for each strategy on the site; which fit, and which to use."""
+    from tabulate import tabulate
+
+    from hpcrun.memory import estimate, recommend
+    from hpcrun.plan import plan
+    from hpcrun.recipe import load_recipe
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    if recipe_file.base.job.kind != "benchmark":
+        raise HpcrunError("the planner knows the built-in benchmark's model only (job.kind: benchmark)", recipe, "job.kind")
+    spec = plan(site, recipe_file.base, recipe, "plan")
+    rows = estimate(spec)
+    click.echo(f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} ({spec.recipe.precision}):")  # type: ignore[union-attr]
+    table = [
+        [e.option.name, f"{e.gpu_gb:.1f}", "" if e.deepspeed_gpu_gb is None else f"{e.deepspeed_gpu_gb:.1f}", f"{e.cpu_gb_per_node:.0f}", f"{e.nvme_gb_per_node:.0f}", "yes" if e.fits else "no", "" if e.fits else e.why]
+        for e in rows
+    ]
+    headers = ["strategy", "GPU GB", "DeepSpeed est. states GB", "host GB/node", "NVMe GB/node", "fits", "why not"]
+    click.echo(tabulate(table, headers=headers, tablefmt="simple"))
+    best, why = recommend(rows)
+    click.echo(f"recommended: {why}" if best else why)
+
+
+COMMANDS = [render, validate, plan_command]

@@ -1,0 +1,90 @@
+"""`hpcrun status`, `hpcrun logs`, `hpcrun cancel`, `hpcrun checkpoint`: following and handling
+runs that were sent."""
+
+from __future__ import annotations
+
+import click
+
+from hpcrun.cli.options import one_run, run_dirs, site_option
+from hpcrun.errors import HpcrunError
+
+
+@click.command()
+@site_option
+@click.argument("run", required=False)
+def status(site_name: str, run: str | None) -> None:
+    """State, nodes, elapsed time and restarts of runs (one scheduler query for all). RUN may be
+    a run id, a sweep id or a unique prefix; without it, every run."""
+    from hpcrun.status import statuses
+
+    rows = statuses(run_dirs(site_name, run, many=True))
+    if not rows:
+        click.echo("no runs")
+        return
+    sources = sorted({r.source for r in rows})
+    if len(rows) > 1:  # a sweep (or all runs) at a glance
+        counts: dict[str, int] = {}
+        for r in rows:
+            key = "done" if r.state == "COMPLETED" else "running" if r.state == "RUNNING" else "pending" if r.state in ("PENDING", "REQUEUED") else "failed"
+            counts[key] = counts.get(key, 0) + 1
+        click.echo("  ".join(f"{k} {counts.get(k, 0)}" for k in ("done", "running", "pending", "failed")))
+    click.echo(f"{'RUN':48} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8}  REASON")
+    for r in rows:
+        elapsed = "" if r.elapsed_s is None else f"{r.elapsed_s // 60}:{r.elapsed_s % 60:02d}"
+        click.echo(f"{r.run_id:48} {r.job_id:>10} {r.state:12} {r.nodes:12} {elapsed:>8} {r.restarts:>8}  {r.reason}")
+    click.echo(f"(from {', '.join(sources)})", err=True)
+
+
+@click.command()
+@site_option
+@click.argument("run")
+@click.option("--rank", default=0, show_default=True)
+@click.option("--follow", is_flag=True, help="Keep printing until the job ends.")
+def logs(site_name: str, run: str, rank: int, follow: bool) -> None:
+    """Print a rank's log of RUN's latest job."""
+    from hpcrun.logs import log_path, read
+
+    run_dir = one_run(site_name, run)
+    for text in read(run_dir, rank, follow):
+        click.echo(text, nl=False)
+    err = log_path(run_dir, rank, stream="err")
+    if not follow and err.exists() and err.stat().st_size:
+        click.echo(f"--- {err.name} ---\n{err.read_text()}", nl=False)
+
+
+@click.command()
+@site_option
+@click.argument("run")
+def cancel(site_name: str, run: str) -> None:
+    """Cancel RUN (or every run of a sweep id or staged submission)."""
+    from hpcrun.cancel import cancel as cancel_run
+
+    for run_dir in run_dirs(site_name, run, many=True):
+        click.echo(f"cancelled {run_dir.name} (job {cancel_run(run_dir)})")
+
+
+@click.group()
+def checkpoint() -> None:
+    """Work with a run's checkpoints."""
+
+
+@checkpoint.command("consolidate")
+@site_option
+@click.argument("run")
+@click.option("--step", type=int, default=None, help="Which complete checkpoint (default: the newest).")
+def checkpoint_consolidate(site_name: str, run: str, step: int | None) -> None:
+    """Write one fp32 state dict from RUN's sharded (DCP or ZeRO) checkpoint."""
+    from hpcrun.rundir import RunDir
+    from hpcrun.runtime.checkpoint import complete, consolidate  # torch: this command is for after the run
+
+    run_dir = one_run(site_name, run)
+    steps = [number for number, _ in complete(RunDir(run_dir).checkpoints)]
+    if not steps:
+        raise HpcrunError("no complete checkpoint to consolidate", run_dir)
+    if step is not None and step not in steps:
+        raise HpcrunError(f"no complete checkpoint at step {step} in {run_dir.name} (complete steps: {', '.join(map(str, steps))})", field="--step")
+    path, digest = consolidate(run_dir, step)
+    click.echo(f"{path}  sha256 of weights {digest}")
+
+
+COMMANDS = [status, logs, cancel, checkpoint]

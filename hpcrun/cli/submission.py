@@ -1,0 +1,142 @@
+"""`hpcrun submit`, `hpcrun sweep`, `hpcrun resume`: sending work to a site."""
+
+from __future__ import annotations
+
+import typing as tp
+from pathlib import Path
+
+import click
+
+from hpcrun.cli.options import one_run, site_option
+from hpcrun.errors import HpcrunError
+
+
+@click.command()
+@site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Write the run directory and script; do not call sbatch.")
+@click.option("--wait", is_flag=True, help="Follow the job to its end; exit non-zero if it failed.")
+@click.option("--run-id", default=None, help="Use this run id (re-using an unfinished run's id continues it).")
+def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str | None) -> None:
+    """Submit RECIPE to a site (stages in order, with dependencies)."""
+    from hpcrun import backend
+    from hpcrun.plan import new_run_id, runs_of
+    from hpcrun.recipe import load_recipe
+    from hpcrun.rundir import RunDir
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    specs = runs_of(site, recipe_file, run_id or new_run_id(recipe_file.base.name))
+    previous: str | None = None
+    submitted = []
+    for spec in specs:
+        run_dir = backend.prepare(spec)
+        if dry_run:
+            click.echo(f"dry run: {RunDir(run_dir).script}")
+            continue
+        dependency = f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None  # stages run in order
+        job_id = backend.submit(spec, dependency)
+        previous = job_id
+        submitted.append(run_dir)
+        click.echo(f"submitted {spec.run_id} as job {job_id} ({site.name})\n  run dir: {run_dir}")
+    if submitted and not dry_run:
+        click.echo(f"  follow:  hpcrun status --site {site.name} {submitted[-1].name}; hpcrun logs --site {site.name} {submitted[-1].name} --follow")
+    if wait and submitted:
+        _wait(submitted)
+
+
+def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
+    return str(next(stage.dependency for stage, _ in recipe_file.stages if stage.name == spec.stage))
+
+
+def _wait(run_dirs: list[Path]) -> None:
+    from hpcrun.status import RunStatus, wait
+
+    def show(current: list[RunStatus]) -> None:
+        line = "  ".join(f"{s.run_id}: {s.state}" + (f" (restarts {s.restarts})" if s.restarts else "") for s in current)
+        click.echo(line, err=True)
+
+    try:
+        current = wait(run_dirs, on_change=show)
+    except KeyboardInterrupt:
+        click.echo(f"\nleft the job running; reattach with: hpcrun status {run_dirs[-1]}", err=True)
+        raise SystemExit(130)
+    _print_results(run_dirs)
+    if any(s.state != "COMPLETED" for s in current):
+        raise SystemExit(1)
+
+
+def _print_results(run_dirs: list[Path]) -> None:
+    import pandas as pd
+
+    from hpcrun.backend import load_spec
+    from hpcrun.results import load
+
+    for run_dir in run_dirs:
+        spec = load_spec(run_dir)
+        df = load(spec.site.results_dir, run_id=spec.run_id)
+        if not len(df):
+            continue
+        last = df.sort_values("end_time").iloc[-1]
+        if last["status"] != "completed":
+            click.echo(f"{spec.run_id}: {last['status']}: {last['reason']}")
+            continue
+        shown = [
+            ("world {}", last["world_size"]),
+            ("final loss {:.4f}", last["final_loss"]),
+            ("{:.0f} tokens/s", last["tokens_per_s"]),
+            ("step p50 {:.1f} ms", last["step_time_p50_s"] * 1000 if not pd.isna(last["step_time_p50_s"]) else None),
+            ("peak mem {:.0f} MiB", last["peak_memory_bytes"] / 2**20),
+        ]
+        parts = [str(last["strategy"])] + [fmt.format(v) for fmt, v in shown if v is not None and not pd.isna(v)]
+        click.echo(f"{spec.run_id}: completed: " + ", ".join(parts))
+
+
+@click.command()
+@site_option
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Show the arrays and their scripts; submit nothing.")
+@click.option("--retry-failed", is_flag=True, help="Also resubmit points whose run failed (they resume).")
+def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> None:
+    """Submit a recipe's sweep: only the points not yet submitted, as job arrays. Safe to run
+    again, by hand or from cron, and twice at once."""
+    from hpcrun.campaign import schedule
+    from hpcrun.recipe import load_recipe
+    from hpcrun.site import load_site
+
+    site = load_site(site_name)
+    recipe_file = load_recipe(recipe)
+    if recipe_file.sweep is None:
+        raise HpcrunError("has no sweep: block (use hpcrun submit)", recipe, "sweep")
+    out = schedule(site, recipe_file, dry_run=dry_run, retry_failed=retry_failed)
+    click.echo(f"sweep {out.sweep_id} ({out.directory})")
+    for label, reason in out.skipped:
+        click.echo(f"  skipped  {label}: {reason}")
+    for array, labels in out.arrays:
+        click.echo(f"  array {array}: " + "; ".join(labels))
+    for label in out.deferred:
+        click.echo(f"  deferred {label}: no MaxSubmitJobs headroom now; run hpcrun sweep again later")
+    if dry_run:
+        for script in out.scripts:
+            click.echo("#" * 72 + "\n" + script, nl=False)
+        return
+    click.echo(f"submitted {len(out.submitted)} point(s); {out.already} already submitted; follow with: hpcrun status --site {site.name} {out.sweep_id}")
+
+
+@click.command()
+@site_option
+@click.argument("run")
+@click.option("--wait", is_flag=True)
+def resume(site_name: str, run: str, wait: bool) -> None:
+    """Submit RUN again; it continues from its newest complete checkpoint."""
+    from hpcrun import backend
+
+    run_dir = one_run(site_name, run)
+    job_id = backend.submit(backend.load_spec(run_dir))
+    click.echo(f"resubmitted {run_dir.name} as job {job_id}")
+    if wait:
+        _wait([run_dir])
+
+
+COMMANDS = [submit, sweep, resume]
