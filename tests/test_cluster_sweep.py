@@ -65,9 +65,11 @@ def test_two_stages_hand_weights_from_ddp_to_fsdp(tmp_path: Path) -> None:
     out = hpcrun("submit", "--site", str(site), str(recipe)).stdout
     run_dirs = [Path(l.split("run dir:")[1].strip()) for l in out.splitlines() if "run dir:" in l]
     assert [d.name.split(".")[-1] for d in run_dirs] == ["warmup", "main"]
-    second_job = json.loads((run_dirs[1] / "jobs.json").read_text())[0]["job_id"]
-    deps = subprocess.run(["scontrol", "show", "job", second_job], capture_output=True, text=True).stdout
-    assert "Dependency=afterok:" in deps or state_done(run_dirs[1])
+    first_job, second_job = (json.loads((d / "jobs.json").read_text())[0]["job_id"] for d in run_dirs)
+    # asked right after submission: the first stage is still starting Python (tens of seconds of
+    # work), so the second one waits on it
+    deps = subprocess.run(["scontrol", "show", "job", second_job], capture_output=True, text=True, check=True).stdout
+    assert f"Dependency=afterok:{first_job}(unfulfilled)" in deps and "JobState=PENDING" in deps, deps
     wait_all(run_dirs)
     first, second = losses(run_dirs[0]), losses(run_dirs[1])
     assert state(run_dirs[1])["status"] == "completed"
@@ -75,7 +77,3 @@ def test_two_stages_hand_weights_from_ddp_to_fsdp(tmp_path: Path) -> None:
     assert second[0] < first[-1] + 0.05  # ... and is no worse than where the first stage ended
     log = "".join(p.read_text() for p in (run_dirs[1] / "logs").glob("*_0_log.out"))
     assert "initialised from" in log and "final-weights.pt" in log
-
-
-def state_done(run_dir: Path) -> bool:
-    return (run_dir / "state.json").exists()

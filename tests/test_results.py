@@ -7,6 +7,7 @@ import datetime as dt
 import multiprocessing
 import random
 import time
+import typing as tp
 import uuid
 from pathlib import Path
 
@@ -52,10 +53,21 @@ def test_unknown_column_is_refused() -> None:
         table([{"run_id": "x", "bogus": 1}])
 
 
+ROUNDS: tp.Any = None  # in writer processes: how many checks the test has done so far
+
+
+def _share_rounds(value: tp.Any) -> None:
+    global ROUNDS
+    ROUNDS = value
+
+
 def _writer(args: tuple[str, int, int]) -> list[str]:
     directory, index, count = args
     ids = []
     for k in range(count):
+        deadline = time.time() + 60  # the test fails on its own count if the checks stop
+        while ROUNDS is not None and ROUNDS.value < k and time.time() < deadline:
+            time.sleep(0.002)  # row k waits for check k: writes and checks interleave
         attempt = uuid.uuid4().hex
         write_attempt(directory, row(run_id=f"w{index}", attempt_id=attempt, restart_count=k))
         ids.append(attempt)
@@ -73,17 +85,25 @@ def test_200_concurrent_writers_lose_and_duplicate_nothing(tmp_path: Path) -> No
 
 
 def test_compaction_during_writes_loses_nothing(tmp_path: Path) -> None:
+    """Compactions that merge files while writers are still writing: each writer's k-th row waits
+    for the k-th check, so the checks below really run between writes, however fast or slow
+    this machine is."""
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(20) as pool:
+    rounds = ctx.Value("i", 0)
+    merges = 0
+    with ctx.Pool(20, initializer=_share_rounds, initargs=(rounds,)) as pool:
         pending = pool.map_async(_writer, [(str(tmp_path), i, 10) for i in range(20)])
         seen = 0
         while not pending.ready():
-            compact(tmp_path)
+            merged, _ = compact(tmp_path)
             df = load(tmp_path)
             assert df["attempt_id"].is_unique  # a reader never sees a row twice
             assert len(df) >= seen  # ... nor loses one it saw
             seen = len(df)
-        written = [a for ids in pending.get() for a in ids]
+            merges += merged > 0
+            rounds.value += 1
+        written = [a for ids in pending.get(timeout=60) for a in ids]
+    assert rounds.value >= 10 and merges >= 5, (rounds.value, merges)  # the checks ran between the writes
     compact(tmp_path)
     assert sorted(load(tmp_path)["attempt_id"]) == sorted(written)
     assert len(files(tmp_path)) == 1
