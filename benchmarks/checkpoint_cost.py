@@ -53,7 +53,7 @@ def main() -> None:
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import strategies
+    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv, cpu_threads
     from hpcrun.runtime.model import GPT, synthetic_batch
     from hpcrun.sizes import SIZES

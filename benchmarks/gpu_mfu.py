@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--cpu-check", action="store_true", help="run the pipeline on CPU (tiny, fp32) to check it")
     args = parser.parse_args()
-    from hpcrun.memory import OPTIONS
+    from hpcrun.memory import options
     from hpcrun.results import load
 
     tmp = scratch("gpu-mfu-")
@@ -72,7 +72,7 @@ def main() -> None:
         model, precision, partition = args.model, "bf16-mixed", gpu_partition()
         device = partition["gpu"]["model"]  # type: ignore[index]
     site = scratch_site(tmp, "local", name="gpu-mfu", partitions={"bench": partition}, default_partition="bench")
-    recipes = {o.name: o.recipe for o in OPTIONS}
+    recipes = {o.name: o.recipe for o in options()}
     print(f"device: {device}, model {model}, {precision}")
     print(f"{'strategy':14} {'tokens/s/GPU':>13} {'TFLOPs/GPU':>11} {'MFU':>7} {'peak GiB':>9}  planner")
     best = None

@@ -14,35 +14,14 @@ from __future__ import annotations
 import dataclasses
 
 from hpcrun.plan import RunSpec
-from hpcrun.recipe import FSDP, DeepSpeed
-from hpcrun.sizes import SIZES
+from hpcrun.strategies import Option, planner_options
 
 GB = 1e9  # the paper's unit
 
 
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """A strategy the planner weighs, in order of preference (least communication first)."""
-
-    name: str
-    recipe: dict[str, object]
-    shard_params: str  # "none" | "all" | "node"
-    shard_grads: bool
-    shard_optim: bool
-    offload: str = "none"  # where optimizer states (and, for ZeRO-3, weights) live: none | cpu | nvme
-
-
-OPTIONS = [
-    Option("ddp", {"name": "ddp"}, "none", False, False),
-    Option("zero1", {"name": "deepspeed", "stage": 1}, "none", False, True),
-    Option("zero2", {"name": "deepspeed", "stage": 2}, "none", True, True),
-    Option("fsdp-grad_op", {"name": "fsdp", "sharding": "grad_op"}, "none", True, True),
-    Option("fsdp-hybrid", {"name": "fsdp", "sharding": "hybrid"}, "node", True, True),
-    Option("fsdp-full", {"name": "fsdp", "sharding": "full"}, "all", True, True),
-    Option("zero3", {"name": "deepspeed", "stage": 3}, "all", True, True),
-    Option("zero3-cpu", {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}, "all", True, True, "cpu"),
-    Option("zero3-nvme", {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}, "all", True, True, "nvme"),
-]
+def options() -> list[Option]:
+    """What the planner weighs, in order of preference: every registered strategy's layouts."""
+    return planner_options()
 
 
 def model_state_bytes(params: float, n: int, option: Option, mixed: bool, per_node: int = 1) -> tuple[float, float]:
@@ -61,32 +40,17 @@ def model_state_bytes(params: float, n: int, option: Option, mixed: bool, per_no
 def staging_bytes(params: float, n: int, option: Option, per_node: int) -> float:
     """Host memory per node an asynchronous DCP save (DDP, FSDP) copies each rank's state into:
     fp32 weights and Adam's two moments, 12 bytes per parameter, as sharded as the weights."""
-    if option.recipe["name"] == "deepspeed":
-        return 0.0  # DeepSpeed saves synchronously
+    if not option.stages_checkpoints:
+        return 0.0  # saved synchronously (DeepSpeed)
     group = n if option.shard_params == "all" else min(n, per_node) if option.shard_params == "node" else 1
     return 12 * params / group * per_node
-
-
-def deepspeed_estimate(params: int, largest_layer: int, per_node: int, nodes: int, option: Option, buffer: float = 1.5) -> tuple[float, float] | None:
-    """(host bytes per node, GPU bytes) by DeepSpeed's own cold estimators
-    (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs` with
-    zero_init), re-stated here so a login node need not import deepspeed. They count fp32
-    gradient partitions (2+4+4+8 = 18 bytes) and, for ZeRO-3, the largest layer's fp32 copy.
-    None where they do not apply (DDP, FSDP, ZeRO-1, NVMe offload)."""
-    gpus = per_node * nodes
-    if option.name == "zero2":
-        return params * 4 * per_node * buffer, 2 * params + int(18 * params / gpus)
-    if option.name == "zero3":  # with zero_init only the largest layer passes through host memory
-        return largest_layer * 4 * per_node * buffer, 4 * largest_layer + int(18 * params / gpus)
-    if option.name == "zero3-cpu":
-        return params * 18 / nodes * buffer, 4 * largest_layer
-    return None
 
 
 def activation_bytes(spec: RunSpec) -> float:
     """Activations of the built-in GPT for one micro-batch, plus the fp32 logits of the loss."""
     t = spec.recipe.training
-    size = SIZES[spec.recipe.job.model]  # type: ignore[union-attr]
+    size = spec.size
+    assert size is not None, "the planner knows the built-in model only"
     tokens = t.micro_batch * t.seq_len
     per_layer = 2 * size.hidden if t.activation_checkpointing else 34 * size.hidden + 5 * size.heads * t.seq_len
     scale = 1 if spec.recipe.precision != "fp32" else 2  # the formula counts 16-bit activations
@@ -104,23 +68,25 @@ class Estimate:
     deepspeed_gpu_gb: float | None = None  # DeepSpeed's own estimate of model states, where it applies
 
 
-def estimate(spec: RunSpec) -> list[Estimate]:
-    """Every option for `spec`'s model on its partition, with whether it fits and why not."""
-    part = spec.site.partitions[spec.partition]
+def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimate]:
+    """Every option (or those `weighed`) for `spec`'s model on its partition, with whether it
+    fits and why not."""
+    part = spec.partition_spec
     t = spec.recipe.training
-    size = SIZES[spec.recipe.job.model]  # type: ignore[union-attr]
+    size = spec.size
+    assert size is not None, "the planner knows the built-in model only"
     params = size.parameters(t.seq_len)
     n, per_node = spec.world_size, spec.ranks_per_node
     mixed = spec.recipe.precision != "fp32"
     activations = activation_bytes(spec)
     gpu_cap = part.gpu.memory_gb * GB if part.gpu else part.memory_gb * GB / per_node
     host_cap = part.memory_gb * GB
-    nvme = spec.site.storage.nvme
+    nvme = spec.nvme
     out = []
     largest = max(size.vocab * size.hidden, 4 * size.hidden * size.hidden)
-    for option in OPTIONS:
+    for option in options() if weighed is None else weighed:
         on_gpu, moved = model_state_bytes(params, n, option, mixed, per_node)
-        ds = deepspeed_estimate(params, largest, per_node, spec.nodes, option)
+        ds = option.library_estimate(params, largest, per_node, spec.nodes) if option.library_estimate else None
         # fit against the larger of the two accountings: DeepSpeed's counts what it allocates
         gpu = max(on_gpu, ds[1] if ds else 0.0) + activations
         cpu = max(moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0)
@@ -154,23 +120,10 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
     return best, why + "; the fitting option with the least communication"
 
 
-def option_for(spec: RunSpec) -> Option:
-    """The planner's option for the strategy the recipe asks for."""
-    s = spec.recipe.strategy
-    if isinstance(s, FSDP):
-        name = {"full": "fsdp-full", "grad_op": "fsdp-grad_op", "hybrid": "fsdp-hybrid", "no_shard": "ddp"}[s.sharding]
-    elif isinstance(s, DeepSpeed):
-        offload = "nvme" if s.uses_nvme else "cpu" if "cpu" in (s.offload_param, s.offload_optimizer) else None
-        name = f"zero3-{offload}" if offload and s.stage == 3 else {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[s.stage]
-    else:
-        name = "ddp"
-    return next(o for o in OPTIONS if o.name == name)
-
-
 def misfit(spec: RunSpec) -> str | None:
     """Why the recipe's own strategy will not fit its partition, or None (built-in model only)."""
-    if spec.recipe.job.kind != "benchmark":
+    if spec.size is None:
         return None
-    wanted = option_for(spec)
-    verdict = next(e for e in estimate(spec) if e.option == wanted)
+    wanted = spec.strategy.memory_option()
+    (verdict,) = estimate(spec, [wanted])
     return None if verdict.fits else f"planner: {wanted.name} {verdict.why}"

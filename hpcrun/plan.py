@@ -4,6 +4,7 @@ against what the site can give, before anything is rendered or submitted."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import secrets
 import typing as tp
 from pathlib import Path
@@ -13,35 +14,62 @@ import pydantic
 from hpcrun.errors import HpcrunError
 from hpcrun.fields import format_minutes
 from hpcrun.loader import Frozen
-from hpcrun.recipe import DDP, FSDP, DeepSpeed, Recipe, RecipeFile
-from hpcrun.site import Site
+from hpcrun.recipe import BenchmarkJob, Recipe, RecipeFile
+from hpcrun.rundir import RunDir
+from hpcrun.site import NVMe, Partition, Site
+from hpcrun.sizes import SIZES, GPTSize
+from hpcrun.strategies import PlanProblem, Strategy
 from hpcrun.sweep import expand, point_id
 
 
-FINAL_WEIGHTS = "final-weights.pt"
-
-
 class RunSpec(Frozen):
-    """One submission: a recipe placed on a site. Written as JSON into the run directory and read
-    back by the runtime, so the job runs exactly what was planned."""
+    """One submission: a recipe placed on a site, every decided value resolved. Written as JSON
+    into the run directory and read back by the runtime, which reads nothing else: no site
+    lookups, no re-derived peaks, no values passed through the environment."""
 
     run_id: str
     recipe: Recipe
     recipe_path: str
-    site: Site
+    site: Site  # what the login side renders from; the runtime reads the resolved fields below
     partition: str
+    partition_spec: Partition
+    """The partition itself, as the site declares it."""
+    gpu_model: str
+    """The partition's accelerator model, `cpu` on a CPU partition (a results column)."""
+    peak_tflops: float | None
+    """What MFU divides by: one rank's peak TFLOP/s at the recipe's precision on this partition
+    (the GPU's dense fp16/bf16 peak, or the site's per-rank CPU figure; None when unknown)."""
+    scheduler: tp.Literal["slurm", "local"]
+    site_name: str
+    cluster: str
+    interconnect: str
+    site_hash: str
+    """A digest of the site profile the run was planned on (results provenance)."""
     nodes: int
     ranks_per_node: int
     gpus_per_node: int
     time_min: int
     signal_lead_s: int
     run_dir: str
+    results_dir: str
+    nvme: NVMe | None
+    """The site's node-local NVMe, whatever the strategy (the planner weighs ZeRO-Infinity on it)."""
+    nvme_dir: str | None
+    """The NVMe base directory when the strategy swaps to it; each job uses its own directory
+    below it, `hpcrun.rundir.nvme_job_dir(nvme_dir, allocation id)`."""
+    model: str | None
+    """The built-in benchmark's model size name, None for user jobs."""
+    size: GPTSize | None
     sweep_id: str | None = None
     point_id: str | None = None
     stage: str | None = None
     init_from: str | None = None
     init_weights: str | None = None
     env: dict[str, str] = {}
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.recipe.strategy
 
     @property
     def world_size(self) -> int:
@@ -53,10 +81,13 @@ class RunSpec(Frozen):
         it: SLURM opens `--output` before the job could create a per-job directory."""
         return Path(self.run_dir) / "logs"
 
-    @property
-    def nvme_dir(self) -> str | None:
-        nvme = self.site.storage.nvme
-        return nvme.path if nvme and isinstance(self.recipe.strategy, DeepSpeed) and self.recipe.strategy.uses_nvme else None
+
+def peak_tflops(part: Partition, precision: str) -> float | None:
+    """One rank's peak at `precision`: fp16 where the GPU lists it, its bf16 peak otherwise
+    (fp32 training is measured against the tensor-core peak too, as MFU usually is)."""
+    if part.gpu:
+        return part.gpu.peak_fp16 if precision == "fp16-mixed" else part.gpu.peak_tflops_bf16
+    return part.cpu_peak_tflops_per_rank
 
 
 def new_run_id(name: str, now: dt.datetime | None = None) -> str:
@@ -91,16 +122,14 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             "resources.time",
         )
     strategy = recipe.strategy
-    if isinstance(strategy, DeepSpeed) and strategy.uses_nvme and site.storage.nvme is None:
-        field = "strategy.offload_param" if strategy.offload_param == "nvme" else "strategy.offload_optimizer"
-        raise HpcrunError(f"nvme offload needs storage.nvme in site {site.name!r}, which has none", where, field)
-    if not part.gpus_per_node:  # what gloo on CPU cannot do, said before anything is submitted
-        if recipe.precision == "fp16-mixed":
-            raise HpcrunError("fp16-mixed needs GPUs; use fp32 or bf16-mixed on a CPU partition", where, "precision")
-        if isinstance(strategy, DDP) and strategy.comm_hook == "bf16":
-            raise HpcrunError("the bf16 compression hook needs NCCL (GPUs); use fp16 or powersgd on a CPU partition", where, "strategy.comm_hook")
-        if isinstance(strategy, FSDP) and strategy.cpu_offload:
-            raise HpcrunError("FSDP CPU offload moves parameters off a GPU; this partition has none", where, "strategy.cpu_offload")
+    try:  # what the strategy cannot do here (gloo on CPU, no NVMe), said before anything is submitted
+        strategy.check(recipe, part, site)
+    except PlanProblem as exc:
+        raise HpcrunError(str(exc), where, f"strategy.{exc.field}") from None
+    if not part.gpus_per_node and recipe.precision == "fp16-mixed":
+        raise HpcrunError("fp16-mixed needs GPUs; use fp32 or bf16-mixed on a CPU partition", where, "precision")
+    job = recipe.job
+    model = job.model if isinstance(job, BenchmarkJob) else None
     env = {**site.interconnect_env(), **recipe.env}
     lead = recipe.checkpoint.signal_lead_s or site.signal_lead_s
     try:
@@ -110,12 +139,25 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             recipe_path=where,
             site=site,
             partition=part_name,
+            partition_spec=part,
+            gpu_model=part.gpu.model if part.gpu else "cpu",
+            peak_tflops=peak_tflops(part, recipe.precision),
+            scheduler=site.scheduler,
+            site_name=site.name,
+            cluster=site.cluster or site.name,
+            interconnect=site.network.interconnect,
+            site_hash=hashlib.sha256(site.model_dump_json().encode()).hexdigest()[:16],
             nodes=res.nodes,
             ranks_per_node=res.gpus_per_node,
             gpus_per_node=res.gpus_per_node if part.gpus_per_node else 0,
             time_min=res.time,
             signal_lead_s=min(lead, max(10, res.time * 60 // 2)),
             run_dir=str(Path(site.storage.runs_dir) / run_id),
+            results_dir=str(site.results_dir),
+            nvme=site.storage.nvme,
+            nvme_dir=site.storage.nvme.path if site.storage.nvme and strategy.uses_nvme() else None,
+            model=model,
+            size=SIZES[model] if model else None,
             env=env,
             **ids,
         )
@@ -139,7 +181,7 @@ def runs_of(site: Site, recipe_file: RecipeFile, run_id: str) -> list[RunSpec]:
         for i, (stage, recipe) in enumerate(recipe_file.stages):
             if i < last:  # its successor starts from these weights, whatever its strategy
                 recipe = recipe.model_copy(update={"checkpoint": recipe.checkpoint.model_copy(update={"export_final": True})})
-            weights = str(Path(specs[-1].run_dir) / FINAL_WEIGHTS) if specs and stage.init_from == "previous" else None
+            weights = str(RunDir(specs[-1].run_dir).final_weights) if specs and stage.init_from == "previous" else None
             specs.append(plan(site, recipe, where, f"{run_id}.{stage.name}", stage=stage.name, init_from=stage.init_from, init_weights=weights))
         return specs
     if recipe_file.sweep:  # the first point that cannot run fails (`hpcrun sweep` skips it instead)

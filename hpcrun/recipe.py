@@ -12,8 +12,8 @@ from hpcrun.errors import HpcrunError
 from hpcrun.fields import EnvName, Line, Minutes, Name, PathStr, Token
 from hpcrun.loader import Frozen, error_from, read_yaml, validate
 from hpcrun.sizes import SIZES
+from hpcrun.strategies import DDP, StrategyField
 
-Offload = tp.Literal["none", "cpu", "nvme"]
 Precision = tp.Literal["fp32", "bf16-mixed", "fp16-mixed"]
 
 
@@ -62,48 +62,6 @@ class Resources(Frozen):
     cpus_per_task: int | None = pydantic.Field(default=None, ge=1)
 
 
-class DDP(Frozen):
-    name: tp.Literal["ddp"]
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = True
-    find_unused_parameters: bool = False
-    comm_hook: tp.Literal["none", "bf16", "fp16", "powersgd"] = "none"
-    powersgd_rank: int = pydantic.Field(default=1, ge=1)
-
-
-class FSDP(Frozen):
-    name: tp.Literal["fsdp"]
-    sharding: tp.Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
-    cpu_offload: bool = False
-    backward_prefetch: tp.Literal["pre", "post", "none"] = "pre"
-    meta_init: bool = False
-
-
-class DeepSpeed(Frozen):
-    name: tp.Literal["deepspeed"]
-    stage: tp.Literal[0, 1, 2, 3] = 2
-    offload_optimizer: Offload = "none"
-    offload_param: Offload = "none"
-    config: PathStr | None = None
-
-    @pydantic.model_validator(mode="after")
-    def _offload_rules(self) -> "DeepSpeed":
-        if self.offload_param != "none" and self.stage != 3:
-            raise ValueError(f"offload_param needs stage 3: only ZeRO-3 partitions parameters (stage is {self.stage})")
-        if self.offload_optimizer == "nvme" and self.stage != 3:
-            raise ValueError(f"offload_optimizer: nvme needs stage 3 (ZeRO-Infinity) (stage is {self.stage})")
-        if self.offload_optimizer != "none" and self.stage == 0:
-            raise ValueError("offload_optimizer needs stage 1, 2 or 3")
-        return self
-
-    @property
-    def uses_nvme(self) -> bool:
-        return "nvme" in (self.offload_optimizer, self.offload_param)
-
-
-Strategy = tp.Annotated[DDP | FSDP | DeepSpeed, pydantic.Field(discriminator="name")]
-
-
 class Training(Frozen):
     steps: int = pydantic.Field(default=20, ge=1)
     micro_batch: int = pydantic.Field(default=4, ge=1)
@@ -141,7 +99,8 @@ class Recipe(Frozen):
     name: Name
     job: Job = BenchmarkJob(kind="benchmark")
     resources: Resources = Resources()
-    strategy: Strategy = DDP(name="ddp")
+    strategy: StrategyField = DDP(name="ddp")
+    """How ranks share the model: any registered strategy (hpcrun.strategies), by its `name`."""
     precision: Precision = "fp32"
     training: Training = Training()
     checkpoint: Checkpoint = Checkpoint()

@@ -108,7 +108,7 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import strategies
+    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -185,7 +185,7 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import strategies
+    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

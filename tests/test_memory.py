@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrun.memory import GB, OPTIONS, estimate, model_state_bytes, recommend
+from hpcrun.memory import GB, estimate, model_state_bytes, options, recommend
 from hpcrun.plan import plan
 from hpcrun.recipe import Recipe
 from hpcrun.site import load_site
@@ -12,7 +12,7 @@ from tests.helpers import ROOT, cli
 
 
 def option(name: str):  # type: ignore[no-untyped-def]
-    return next(o for o in OPTIONS if o.name == name)
+    return next(o for o in options() if o.name == name)
 
 
 @pytest.mark.parametrize("name,expected_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)])
@@ -73,15 +73,18 @@ def test_deepspeed_estimators_agree(params: int, largest: int, per_node: int, no
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from hpcrun.memory import deepspeed_estimate
+    def ours(name: str) -> tuple[float, float]:
+        estimator = option(name).library_estimate
+        assert estimator is not None
+        return estimator(params, largest, per_node, nodes)
 
     cpu, gpu = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=False)
-    assert deepspeed_estimate(params, largest, per_node, nodes, option("zero2")) == pytest.approx((cpu, gpu), rel=1e-9)
+    assert ours("zero2") == pytest.approx((cpu, gpu), rel=1e-9)
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False, zero_init=True)
-    assert deepspeed_estimate(params, largest, per_node, nodes, option("zero3")) == pytest.approx((cpu, gpu), rel=1e-9)
+    assert ours("zero3") == pytest.approx((cpu, gpu), rel=1e-9)
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True)
-    assert deepspeed_estimate(params, largest, per_node, nodes, option("zero3-cpu")) == pytest.approx((cpu, gpu), rel=1e-9)
-    assert deepspeed_estimate(params, largest, per_node, nodes, option("ddp")) is None
+    assert ours("zero3-cpu") == pytest.approx((cpu, gpu), rel=1e-9)
+    assert option("ddp").library_estimate is None and option("fsdp-full").library_estimate is None
 
 
 def with_node_memory(tmp_path, base: str, partition: str, memory_gb: float):  # type: ignore[no-untyped-def]

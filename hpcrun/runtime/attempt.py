@@ -1,0 +1,121 @@
+"""One run attempt's lifecycle around the training loop: start (distributed init, the Context),
+the stop decision after a signal, requeueing, the results row and state.json, and the export
+of the final weights. The loop itself is hpcrun.runtime.context and hpcrun.runtime.jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import typing as tp
+
+import torch
+import torch.distributed as dist
+
+from hpcrun.plan import RunSpec
+from hpcrun.rundir import atomic_path, atomic_write
+from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime.context import Context
+from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
+from hpcrun.runtime.jobs import JOBS
+from hpcrun.runtime.metrics import peak_memory_bytes
+from hpcrun.runtime.row import result_row
+from hpcrun.signals import FLAG
+
+
+def run(spec: RunSpec) -> dict[str, tp.Any]:
+    """One rank of one attempt of `spec`. Returns this rank's summary; raises when the job
+    failed (after recording it, and requeueing where the cap allows)."""
+    env = from_scheduler()
+    FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
+    if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
+        init_process_group(env)
+    ctx = Context(spec, env, FLAG)
+    status, reason = "completed", None
+    try:
+        JOBS[spec.recipe.job.kind](ctx)
+        ctx.checkpoints.wait()  # a job that left `steps()` early may have a save in flight
+        if ctx.stopped:
+            status, reason = stop_decision(ctx)
+    except Exception as exc:
+        status, reason = "failed", f"{type(exc).__name__}: {exc}"
+        cap = spec.recipe.checkpoint.max_requeues
+        retry = spec.scheduler == "slurm" and env.restart_count < cap
+        if spec.scheduler == "slurm" and not retry:
+            reason += f"; requeue cap reached ({cap} requeues)"
+        finish(ctx, status, reason + ("; requeued" if retry else ""), collective=False)
+        if retry:  # a crash counts against the cap like a timeout: transient faults recover, bugs stop
+            requeue_now(env)
+        raise
+    if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
+        export_final(ctx)
+    row = finish(ctx, status, reason, collective=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if status == "requeued" and env.is_main:
+        requeue_now(env)  # last: requeueing ends this job's processes
+    return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
+
+
+def stop_decision(ctx: Context) -> tuple[str, str | None]:
+    """After the stop checkpoint: requeue on SLURM unless the cap is reached. Locally,
+    `hpcrun resume` continues."""
+    cap = ctx.recipe.checkpoint.max_requeues
+    where = f"{ctx.stopped} at step {ctx.step + 1}"
+    if ctx.spec.scheduler != "slurm":
+        return "stopped", f"{where}; continue with hpcrun resume"
+    if ctx.env.restart_count >= cap:
+        return "failed", f"requeue cap reached ({cap} requeues); {where}"
+    return "requeued", where
+
+
+def requeue_now(env: DistEnv) -> None:
+    """Requeue this job, unless SLURM is already doing so (preemption requeues by itself, and
+    twice would count twice). SLURM holds a requeued job for the site's `AuthInfo=cred_expire`
+    (120 s by default) before it may start again: a floor on requeue latency set by the site."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else env.job_id
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    if "JobState=RUNNING" in state:
+        subprocess.run(["scontrol", "requeue", job], check=False)
+
+
+def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
+    """Gather across ranks (when all are alive) and write this attempt's results row, its
+    losses and state.json (rank 0, or any failing rank, since a failed rank 0 may never get here)."""
+    m = ctx.measured
+    m.checkpoint_writes = ctx.checkpoints.write_times
+    peak = peak_memory_bytes(ctx.device)
+    if collective:
+        m.losses = ctx.global_losses()
+        if dist.is_initialized() and ctx.world_size > 1:
+            peak_t = torch.tensor([peak], dtype=torch.int64, device=ctx.device)
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            peak = int(peak_t.item())
+    if not (ctx.env.is_main or not collective):
+        return {}
+    row = result_row(ctx, status, reason, peak)
+    from hpcrun.results import write_attempt
+
+    write_attempt(ctx.spec.results_dir, row)
+    job_id, restart = ctx.env.job_id, ctx.env.restart_count
+    attempt = {"status": status, "reason": reason, "job_id": job_id, "restart_count": restart, "step": row["last_step"]}
+
+    def failed_already(current: dict[str, tp.Any]) -> bool:
+        # one failed rank fails the attempt, whatever the ranks that finished write after it
+        return (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get("status") == "failed"
+
+    ctx.run_dir.update_state(attempt, keep=failed_already)
+    if m.losses:
+        atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
+    return row
+
+
+def export_final(ctx: Context) -> None:
+    """The final weights as one plain fp32 state dict (written atomically by rank 0) and their
+    sha256: what the next stage loads whatever its strategy, and what exact-resume checks
+    compare. Collective: ZeRO-3 and FSDP gather their shards for it."""
+    state = ctx.engine.full_state()
+    if ctx.env.is_main:
+        with atomic_path(ctx.run_dir.final_weights) as tmp:
+            torch.save({k: v.float() for k, v in state.items()}, tmp)
+        atomic_write(ctx.run_dir.weights_digest, ckpt.state_digest(state) + "\n")

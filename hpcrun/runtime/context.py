@@ -1,0 +1,123 @@
+"""The training loop's side of a run attempt: what a user's `module:function` receives.
+
+The built-in benchmark is written against the same Context, so every strategy and every user
+job share one loop and one fault-tolerance path: resume, periodic checkpoints, and the collective
+decision to stop at a step boundary when a signal arrived.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import time
+import typing as tp
+
+import torch
+import torch.distributed as dist
+
+from hpcrun.plan import RunSpec
+from hpcrun.recipe import EntrypointJob
+from hpcrun.rundir import RunDir, nvme_job_dir
+from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime import engine as engines
+from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.metrics import Measurements
+from hpcrun.signals import SignalFlag
+
+
+class Context:
+    """What a user's `module:function` receives: ranks, device, `setup`, `steps`, `log`."""
+
+    def __init__(self, spec: RunSpec, env: DistEnv, flag: SignalFlag) -> None:
+        self.spec, self.env, self.flag = spec, env, flag
+        self.run_dir = RunDir(spec.run_dir)
+        self.recipe = spec.recipe
+        self.args: dict[str, tp.Any] = spec.recipe.job.args if isinstance(spec.recipe.job, EntrypointJob) else {}
+        self.rank, self.local_rank, self.world_size, self.device = env.rank, env.local_rank, env.world_size, env.device
+        checkpoint = spec.recipe.checkpoint
+        self.checkpoints = ckpt.Checkpoints(self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous)
+        self.measured = Measurements()
+        self.engine: tp.Any = None
+        self.start_step = 0
+        self.step = 0
+        self.stopped: str | None = None
+        self.started = dt.datetime.now(dt.timezone.utc)
+        self.restored_losses: list[float] = []  # global losses of earlier attempts
+
+    @property
+    def nvme_dir(self) -> str | None:
+        """This job's own directory on node-local NVMe, when the strategy swaps to it."""
+        if self.spec.nvme_dir is None:
+            return None
+        return nvme_job_dir(self.spec.nvme_dir, getattr(self.env, "allocation_id", self.env.job_id))
+
+    def setup(self, model: torch.nn.Module, make_optimizer: engines.OptimizerFactory) -> engines.Engine:
+        """Wrap `model` in the recipe's strategy, build the optimizer, and resume from the newest
+        complete checkpoint of this run if there is one."""
+        found = ckpt.latest(self.checkpoints.root)
+        if not found and self.spec.init_weights:  # a stage starting from the previous stage's weights
+            model.load_state_dict(torch.load(self.spec.init_weights, map_location="cpu", weights_only=True))
+            self.info(f"initialised from {self.spec.init_weights}")
+        self.engine = engines.setup(model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir)
+        if found:
+            state = self.checkpoints.load(self.engine, found[1])
+            self.start_step = int(state["step"])
+            self.restored_losses = list(state.get("losses", []))
+            self.info(f"resumed from {found[1].name} (step {self.start_step})")
+        return self.engine
+
+    def steps(self) -> tp.Iterator[int]:
+        """Step numbers from where this run left off. Between steps: periodic checkpoints, and
+        the collective decision to stop on a signal (checkpoint, then leave the loop)."""
+        total, interval = self.recipe.training.steps, self.recipe.checkpoint.interval
+        for step in range(self.start_step, total):
+            self.step = step
+            start = time.perf_counter()
+            yield step
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            done = step + 1
+            self.checkpoints.poll()
+            stop = self._agree_to_stop()
+            # a step's time includes hpcrun's own per-step work; a save's stall is counted apart
+            self.measured.step_times.append(time.perf_counter() - start)
+            if done % interval == 0 or done == total or stop:
+                self.save(done, block=done == total or bool(stop))
+            if stop and done < total:
+                self.stopped = signal.Signals(stop).name
+                self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
+                return
+        self.step = total
+
+    def global_losses(self) -> list[float]:
+        """The loss of every step so far on the global batch (collective: the mean over ranks
+        of this attempt's per-rank losses, after the earlier attempts' restored ones)."""
+        local = self.measured.losses
+        if local and dist.is_initialized() and self.world_size > 1:
+            t = torch.tensor(local, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            local = (t / self.world_size).tolist()
+        return self.restored_losses + list(local)
+
+    def save(self, step: int, block: bool) -> None:
+        state = {"step": step, "losses": self.global_losses()}
+        self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
+
+    def _agree_to_stop(self) -> int:
+        """Every rank learns whether any rank was signalled (a tiny all-reduce per step)."""
+        local = torch.tensor([self.flag.signum or 0], dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return int(local.item())
+
+    def record_loss(self, loss: float) -> None:
+        self.measured.losses.append(loss)
+
+    def log(self, **metrics: float) -> None:
+        """User metrics: kept in the results row's `extra` map."""
+        self.measured.extra.update({k: float(v) for k, v in metrics.items()})
+
+    def info(self, message: str) -> None:
+        if self.env.is_main or os.environ.get("HPCRUN_LOG_ALL_RANKS"):
+            print(f"[hpcrun rank {self.rank}] {message}", flush=True)

@@ -1,0 +1,68 @@
+"""The three kinds of job a recipe can run, each a function of the Context: the built-in GPT
+benchmark, a user's `module:function`, and a user's own command once per rank."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import typing as tp
+from pathlib import Path
+
+import torch
+
+from hpcrun.recipe import CommandJob, EntrypointJob
+from hpcrun.runtime.context import Context
+
+
+def builtin_benchmark(ctx: Context) -> None:
+    """The GPT benchmark: synthetic tokens, AdamW, the recipe's strategy and precision."""
+    from hpcrun.runtime.model import GPT, synthetic_batch
+
+    training = ctx.recipe.training
+    size = ctx.spec.size
+    assert size is not None, "a benchmark job's spec always names its model"
+    torch.manual_seed(training.seed)
+    # meta-device init would discard weights handed over from a previous stage
+    meta = ctx.spec.strategy.init_on_meta() and not ctx.spec.init_weights
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = GPT(size, training.seq_len, training.activation_checkpointing)
+    engine = ctx.setup(model, lambda params: torch.optim.AdamW(params, lr=training.lr, betas=(0.9, 0.95), weight_decay=0.0))
+    mb, accum = training.micro_batch, training.grad_accum
+    for step in ctx.steps():
+        losses = []
+        for m in range(accum):
+            first = (m * ctx.world_size + ctx.rank) * mb  # this rank's slice of the global batch
+            tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
+            losses.append(engine.micro_step(tokens.to(ctx.device), targets.to(ctx.device), last=m == accum - 1))
+        engine.optimizer_step()
+        ctx.record_loss(sum(losses) / len(losses))
+        if ctx.env.is_main and (step + 1) % training.log_interval == 0:
+            ctx.info(f"step {step + 1}/{training.steps} loss {losses[-1]:.4f}")
+
+
+def user_entrypoint(ctx: Context) -> None:
+    job = ctx.recipe.job
+    assert isinstance(job, EntrypointJob)
+    base = Path(ctx.spec.recipe_path).resolve().parent
+    for entry in reversed(job.pythonpath):
+        sys.path.insert(0, str((base / entry).resolve()))
+    module_name, func_name = job.entrypoint.split(":")
+    getattr(importlib.import_module(module_name), func_name)(ctx)
+
+
+def user_command(ctx: Context) -> None:
+    """The user's own script, once per rank, with RANK/WORLD_SIZE/MASTER_* already exported and
+    the run's places named (its run and checkpoint directories, its id)."""
+    job = ctx.recipe.job
+    assert isinstance(job, CommandJob)
+    env = {**os.environ, "HPCRUN_RUN_DIR": str(ctx.run_dir.path), "HPCRUN_RUN_ID": ctx.spec.run_id, "HPCRUN_CHECKPOINT_DIR": str(ctx.checkpoints.root)}
+    cwd = Path(ctx.spec.recipe_path).resolve().parent / job.workdir if job.workdir else None
+    ctx.flag.child = subprocess.Popen(job.command, env=env, cwd=cwd)
+    code = ctx.flag.child.wait()
+    if code != 0:
+        raise RuntimeError(f"command {job.command[0]!r} exited with status {code} on rank {ctx.rank}")
+
+
+JOBS: dict[str, tp.Callable[[Context], None]] = {"benchmark": builtin_benchmark, "entrypoint": user_entrypoint, "command": user_command}

@@ -1,0 +1,26 @@
+"""Training strategies, one module each: its config (validation, per-field docs), its plan-time
+checks, its memory-planner accounting, its results columns and how it builds its engine.
+
+Adding a strategy is one module with a `Strategy` subclass decorated by `register`, imported
+here (or by whoever registers it before recipes naming it are validated).
+"""
+
+from __future__ import annotations
+
+# registration order is the order error messages list the names in
+from hpcrun.strategies.base import REGISTRY, Option, PlanProblem, Strategy, StrategyField, register  # noqa: I001
+from hpcrun.strategies.ddp import DDP
+from hpcrun.strategies.fsdp import FSDP
+from hpcrun.strategies.deepspeed import DeepSpeed
+
+
+def planner_options() -> list[Option]:
+    """Every layout the memory planner weighs, in order of preference (least communication first)."""
+    seen: dict[str, Option] = {}
+    for cls in REGISTRY.values():
+        for option in cls.planner_options():
+            seen.setdefault(option.name, option)
+    return sorted(seen.values(), key=lambda o: o.order)
+
+
+__all__ = ["DDP", "FSDP", "DeepSpeed", "Option", "PlanProblem", "REGISTRY", "Strategy", "StrategyField", "planner_options", "register"]
