@@ -1,9 +1,9 @@
-"""The task entry point: submitit's own `_submit`, with hpcrun's stop flag installed first.
+"""The task entry point inside the allocation: `python -m hpcrun.launch <run dir>`.
 
-A signal that arrives while Python and submitit start (SLURM sends USR2 up to its 30 s check
-period early, so a short or just-requeued job can get it at once) would otherwise kill the task
-by default action, and the job would fail instead of checkpointing and requeueing. submitit's
-handlers are replaced by the flag: hpcrun stops at a step boundary, collectively."""
+The stop flag is installed before anything else is imported: SLURM may send USR2 as a task
+starts (up to its 30 s check period early, so a short or just-requeued job can get it at once),
+and the default action would kill the task instead of letting it checkpoint and requeue.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +11,21 @@ from hpcrun.signals import FLAG
 
 FLAG.install()
 
+import sys  # noqa: E402
 
-def main() -> None:
-    from submitit.core import job_environment
-    from submitit.core.submission import submitit_main
 
-    job_environment.JobEnvironment._handle_signals = lambda self, paths, submission: FLAG.install()  # type: ignore[method-assign]
-    submitit_main()
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcrun.launch RUN_DIR", file=sys.stderr)
+        return 2
+    from hpcrun.rundir import RunDir
+    from hpcrun.runtime.trainer import main as run_attempt
+
+    # a failure raises: the traceback goes to this rank's log and the exit status is non-zero
+    run_attempt(str(RunDir(args[0]).spec))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import shlex
 import sys
+import shlex
 from pathlib import Path
 
 import jinja2
@@ -42,10 +42,10 @@ def python_command(spec: RunSpec) -> str:
     return " ".join(quote(word) for word in spec.site.environment.python or [sys.executable])
 
 
-def task_command(spec: RunSpec, folder: Path | None = None) -> str:
-    """The task entry point on the job's pickle folder: submitit's `_submit` behind hpcrun's
-    launcher, which installs the stop flag first (see hpcrun.launch)."""
-    return " ".join([python_command(spec), "-u -m hpcrun.launch", shlex.quote(str(folder or spec.log_folder))])
+def launch_command(spec: RunSpec) -> str:
+    """What each task runs: hpcrun's entry point on the run directory held in the script's
+    `$run_dir` (one per script, or picked by the array task's index)."""
+    return f'{python_command(spec)} -u -m hpcrun.launch "$run_dir"'
 
 
 def template_name(spec: RunSpec) -> tuple[str | None, str]:
@@ -58,14 +58,29 @@ def template_name(spec: RunSpec) -> tuple[str | None, str]:
     return None, "local.sh.j2" if spec.site.scheduler == "local" else "sbatch.sh.j2"
 
 
-def render(spec: RunSpec, array: str | None = None, log_folder: Path | None = None) -> str:
-    """The script for `spec`; with `array` (`0-N%M`), the one script of a job array whose tasks
-    each run their own point (their pickles live in the shared `log_folder`)."""
+def render(spec: RunSpec) -> str:
+    """The script for one run."""
+    return _render(spec, None, [spec.run_dir], spec.log_folder)
+
+
+def render_array(specs: list[RunSpec], array: str, log_folder: Path) -> str:
+    """The one script of a job array (`array` is `0-N%M`): task `i` runs `specs[i]`, whose run
+    directory the script lists, so the submitted file says exactly what each task runs. Every
+    spec must render to the same `array_key`."""
+    return _render(specs[0], array, [s.run_dir for s in specs], log_folder)
+
+
+def array_key(spec: RunSpec) -> str:
+    """The text of the array script `spec` would share, without the list of points: sweep
+    points with the same key can be one array, whatever fields they differ in."""
+    return _render(spec, "ARRAY", [], spec.log_folder)
+
+
+def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: Path) -> str:
     extra, name = template_name(spec)
     template = environment(extra).get_template(name)
     site = spec.site
     part = site.partitions[spec.partition]
-    container = site.environment.container
     return template.render(
         version=__version__,
         spec=spec,
@@ -76,9 +91,10 @@ def render(spec: RunSpec, array: str | None = None, log_folder: Path | None = No
         gpu_directive=part.gpu_directive(spec.gpus_per_node),
         constraint=part.constraint,
         env=spec.env,
-        container=container,
-        command=task_command(spec, log_folder),
-        log_folder=str(log_folder or spec.log_folder),
+        container=site.environment.container,
+        command=launch_command(spec),
+        run_dirs=run_dirs,
+        log_folder=str(log_folder),
         array=array,
         job_pattern="%A_%a" if array else "%j",
         nvme_dir=spec.nvme_dir,

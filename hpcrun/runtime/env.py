@@ -23,6 +23,7 @@ class DistEnv:
     restart_count: int
     job_id: str
     node_list: str
+    allocation_id: str  # the scheduler's own id of this allocation (SLURM_JOB_ID, unique per array task)
 
     @property
     def is_main(self) -> bool:
@@ -30,23 +31,32 @@ class DistEnv:
 
 
 def from_scheduler() -> DistEnv:
-    """Ranks from submitit's JobEnvironment (SLURM or local), exported as torch expects.
-    MASTER_ADDR/PORT come from the rendered script (the site's fast hostname)."""
-    import submitit
+    """This task's ranks. Under SLURM from submitit's JobEnvironment (which also names array
+    tasks `<array>_<index>`); under hpcrun's local controller from the torchrun-style variables
+    it sets. MASTER_ADDR/PORT come from the rendered script (the site's fast hostname)."""
+    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        import submitit
 
-    job = submitit.JobEnvironment()
-    os.environ.update(RANK=str(job.global_rank), LOCAL_RANK=str(job.local_rank), WORLD_SIZE=str(job.num_tasks))
-    os.environ.setdefault("MASTER_ADDR", job.hostnames[0] if job.hostnames else "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    return _env(job.global_rank, job.local_rank, job.num_tasks, str(job.job_id))
+        job = submitit.JobEnvironment()
+        os.environ.update(RANK=str(job.global_rank), LOCAL_RANK=str(job.local_rank), WORLD_SIZE=str(job.num_tasks))
+        os.environ.setdefault("MASTER_ADDR", job.hostnames[0] if job.hostnames else "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        local_ranks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        return _env(job.global_rank, job.local_rank, job.num_tasks, str(job.job_id), os.environ["SLURM_JOB_ID"], local_ranks)
+    local_id = os.environ.get("HPCRUN_LOCAL_JOB_ID", "local")
+    return from_environ(job_id=local_id, allocation_id=local_id)
 
 
-def from_environ() -> DistEnv:
-    """Ranks from torchrun-style variables (tests and command jobs)."""
-    return _env(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), os.environ.get("SLURM_JOB_ID", "local"))
+def from_environ(job_id: str | None = None, allocation_id: str | None = None) -> DistEnv:
+    """Ranks from torchrun-style variables (the local controller, tests, command jobs)."""
+    job_id = job_id or os.environ.get("SLURM_JOB_ID", "local")
+    return _env(
+        int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+        job_id, allocation_id or job_id, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))),
+    )
 
 
-def _env(rank: int, local_rank: int, world: int, job_id: str) -> DistEnv:
+def _env(rank: int, local_rank: int, world: int, job_id: str, allocation_id: str, local_ranks: int) -> DistEnv:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -54,7 +64,6 @@ def _env(rank: int, local_rank: int, world: int, job_id: str) -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
         if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a node's cores must not oversubscribe them
-            local_ranks = int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")).split("(")[0])
             torch.set_num_threads(cpu_threads(local_ranks))
     return DistEnv(
         rank=rank,
@@ -62,9 +71,11 @@ def _env(rank: int, local_rank: int, world: int, job_id: str) -> DistEnv:
         world_size=world,
         device=device,
         backend=backend,
+        # SLURM counts requeues; hpcrun's local controller is told which submission this is
         restart_count=int(os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPCRUN_RESTART_COUNT", "0"))),
         job_id=job_id,
         node_list=os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename),
+        allocation_id=allocation_id,
     )
 
 

@@ -24,17 +24,17 @@ export FI_PROVIDER=efa
 export GLOO_SOCKET_IFNAME=enp71s0
 export NCCL_PROTO=simple
 export NCCL_SOCKET_IFNAME=enp71s0
-export HPCRUN_RUN_DIR=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
-export HPCRUN_RUN_ID=20260101-000000-0000-golden.warmup
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
-  python -u -m hpcrun.launch /fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs
+  python -u -m hpcrun.launch "$run_dir"

@@ -24,22 +24,23 @@ export FI_PROVIDER=efa
 export GLOO_SOCKET_IFNAME=enp71s0
 export NCCL_PROTO=simple
 export NCCL_SOCKET_IFNAME=enp71s0
-export HPCRUN_RUN_DIR=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden
-export HPCRUN_RUN_ID=20260101-000000-0000-golden
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden
 
-# Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end.
-export HPCRUN_NVME_DIR=/opt/dlami/nvme/hpcrun-"$SLURM_JOB_ID"
-srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$HPCRUN_NVME_DIR"
-trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$HPCRUN_NVME_DIR"' EXIT
+# Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end
+# (the runtime derives the same path from the RunSpec and SLURM_JOB_ID).
+nvme_job_dir=/opt/dlami/nvme/hpcrun-"$SLURM_JOB_ID"
+srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$nvme_job_dir"
+trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$nvme_job_dir"' EXIT
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
-  python -u -m hpcrun.launch /fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs
+  python -u -m hpcrun.launch "$run_dir"

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden.warmup, recipe staged.warmup, site local.
-# submitit's local executor runs this file once per rank (2 ranks on this machine).
+# hpcrun's local controller runs this file once per rank (2 ranks on this machine), with
+# RANK, LOCAL_RANK, WORLD_SIZE and HPCRUN_LOCAL_JOB_ID set.
 set -eo pipefail
 
 # Interconnect (ethernet on lo) and recipe environment.
@@ -9,11 +10,10 @@ export NCCL_IB_DISABLE=1
 export NCCL_NSOCKS_PERTHREAD=4
 export NCCL_SOCKET_IFNAME=lo
 export NCCL_SOCKET_NTHREADS=2
-export HPCRUN_RUN_DIR=/home/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
-export HPCRUN_RUN_ID=20260101-000000-0000-golden.warmup
 
 # Rendezvous on this machine; the port is derived from the job so parallel runs do not collide.
 export MASTER_ADDR=127.0.0.1
-export MASTER_PORT=$((20000 + SUBMITIT_LOCAL_JOB_ID % 20000))
+export MASTER_PORT=$((20000 + HPCRUN_LOCAL_JOB_ID % 20000))
+run_dir=/home/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 
-exec /usr/bin/python3 -u -m hpcrun.launch /home/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs
+exec /usr/bin/python3 -u -m hpcrun.launch "$run_dir"

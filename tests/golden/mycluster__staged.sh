@@ -31,16 +31,16 @@ export NCCL_DEBUG=WARN
 export NCCL_IB_DISABLE=0
 export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7
 export NCCL_SOCKET_IFNAME=ib0
-export HPCRUN_RUN_DIR=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
-export HPCRUN_RUN_ID=20260101-000000-0000-golden.warmup
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"-ib
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
-  python -u -m hpcrun.launch /scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs
+  python -u -m hpcrun.launch "$run_dir"

@@ -31,21 +31,22 @@ export NCCL_DEBUG=WARN
 export NCCL_IB_DISABLE=0
 export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7
 export NCCL_SOCKET_IFNAME=ib0
-export HPCRUN_RUN_DIR=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden
-export HPCRUN_RUN_ID=20260101-000000-0000-golden
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"-ib
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden
 
-# Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end.
-export HPCRUN_NVME_DIR=/local/nvme/golden/hpcrun-"$SLURM_JOB_ID"
-srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$HPCRUN_NVME_DIR"
-trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$HPCRUN_NVME_DIR"' EXIT
+# Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end
+# (the runtime derives the same path from the RunSpec and SLURM_JOB_ID).
+nvme_job_dir=/local/nvme/golden/hpcrun-"$SLURM_JOB_ID"
+srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$nvme_job_dir"
+trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$nvme_job_dir"' EXIT
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  python -u -m hpcrun.launch /scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs
+  python -u -m hpcrun.launch "$run_dir"

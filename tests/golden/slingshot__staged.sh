@@ -28,19 +28,19 @@ export FI_MR_CACHE_MONITOR=userfaultfd
 export FI_PROVIDER=cxi
 export GLOO_SOCKET_IFNAME=hsn0
 export NCCL_CROSS_NIC=1
-export NCCL_NET='AWS Libfabric'
+export NCCL_NET=AWS Libfabric
 export NCCL_SOCKET_IFNAME=hsn0
-export HPCRUN_RUN_DIR=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
-export HPCRUN_RUN_ID=20260101-000000-0000-golden.warmup
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
-  python -u -m hpcrun.launch /pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs
+  python -u -m hpcrun.launch "$run_dir"

@@ -20,16 +20,16 @@ export NCCL_IB_DISABLE=1
 export NCCL_NSOCKS_PERTHREAD=4
 export NCCL_SOCKET_IFNAME=hpc0
 export NCCL_SOCKET_NTHREADS=2
-export HPCRUN_RUN_DIR=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup
-export HPCRUN_RUN_ID=20260101-000000-0000-golden.warmup
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
-  /usr/bin/python3 -u -m hpcrun.launch /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup/logs
+  /usr/bin/python3 -u -m hpcrun.launch "$run_dir"

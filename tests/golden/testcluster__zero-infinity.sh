@@ -20,21 +20,22 @@ export NCCL_IB_DISABLE=1
 export NCCL_NSOCKS_PERTHREAD=4
 export NCCL_SOCKET_IFNAME=hpc0
 export NCCL_SOCKET_NTHREADS=2
-export HPCRUN_RUN_DIR=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden
-export HPCRUN_RUN_ID=20260101-000000-0000-golden
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
 first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+run_dir=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden
 
-# Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end.
-export HPCRUN_NVME_DIR=/var/tmp/hpcrun-testcluster/nvme/hpcrun-"$SLURM_JOB_ID"
-srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$HPCRUN_NVME_DIR"
-trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$HPCRUN_NVME_DIR"' EXIT
+# Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end
+# (the runtime derives the same path from the RunSpec and SLURM_JOB_ID).
+nvme_job_dir=/var/tmp/hpcrun-testcluster/nvme/hpcrun-"$SLURM_JOB_ID"
+srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$nvme_job_dir"
+trap 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$nvme_job_dir"' EXIT
 
-# One task per rank; submitit's entry point runs the pickled hpcrun task.
+# One task per rank, each running hpcrun's entry point on the run directory. submitit's
+# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  /usr/bin/python3 -u -m hpcrun.launch /var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs
+  /usr/bin/python3 -u -m hpcrun.launch "$run_dir"

@@ -1,0 +1,124 @@
+"""The local "scheduler" of `--site local`: a detached controller that runs the rendered local
+script once per rank, like srun would, and behaves like SLURM towards them.
+
+- Each rank gets torchrun-style variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) plus
+  HPCRUN_LOCAL_JOB_ID (the controller's pid, the job id `status` and `cancel` use) and
+  HPCRUN_RESTART_COUNT (which submission of the run this is), and its own log files.
+- USR2 `signal_lead_s` before the time limit, SIGTERM at it, SIGKILL after KILL_WAIT_S.
+- SIGTERM/SIGUSR2 sent to the controller (`hpcrun cancel`) are forwarded to every rank.
+- A rank that fails ends the others at once (srun's --kill-on-bad-exit): a peer that waits in a
+  collective for a dead rank would otherwise hang until the collective timeout.
+
+hpcrun owns this instead of using submitit's local executor because that executor offers no
+public way to start its controller in a session of its own (so a Ctrl-C at `submit --wait`
+would reach the ranks) and installs its own signal handlers in every task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import typing as tp
+from pathlib import Path
+
+from hpcrun.rundir import RunDir
+
+KILL_WAIT_S = 20.0  # as SLURM's default KillWait: time for ranks to save after SIGTERM
+POLL_S = 0.2
+
+
+def start(run_dir: RunDir, ranks: int, time_min: int, signal_lead_s: int, restart_count: int) -> str:
+    """Start the controller detached (its own session, its own log) and return its job id. The
+    caller's stdout/stderr are not inherited: a pipe (`| tee`, a test) closes when hpcrun exits."""
+    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "hpcrun.localjob", str(run_dir.path),
+        "--ranks", str(ranks), "--time-s", str(time_min * 60), "--signal-lead-s", str(signal_lead_s),
+        "--restart-count", str(restart_count),
+    ]
+    with run_dir.controller_log.open("ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    return str(proc.pid)
+
+
+class Controller:
+    def __init__(self, run_dir: RunDir, ranks: int, time_s: float, signal_lead_s: float, restart_count: int) -> None:
+        self.run_dir, self.ranks = run_dir, ranks
+        self.time_s, self.lead_s, self.restart_count = time_s, signal_lead_s, restart_count
+        self.job_id = str(os.getpid())
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pending: list[int] = []  # signals received, forwarded from the loop (not from the handler)
+
+    def _on_signal(self, signum: int, frame: tp.Any) -> None:
+        self.pending.append(signum)
+
+    def _send(self, signum: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def launch(self) -> None:
+        for rank in range(self.ranks):
+            env = {
+                **os.environ,
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks), "LOCAL_WORLD_SIZE": str(self.ranks),
+                "HPCRUN_LOCAL_JOB_ID": self.job_id, "HPCRUN_RESTART_COUNT": str(self.restart_count),
+            }
+            with self.run_dir.log(self.job_id, rank, "out").open("ab") as out, self.run_dir.log(self.job_id, rank, "err").open("ab") as err:
+                self.procs.append(subprocess.Popen(["bash", str(self.run_dir.script)], env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        start = time.monotonic()
+        self.launch()
+        warned = terminated = False
+        kill_at: float | None = None
+        while any(p.poll() is None for p in self.procs):
+            now = time.monotonic() - start
+            while self.pending:
+                signum = self.pending.pop(0)
+                self._send(signal.SIGTERM if signum == signal.SIGINT else signum)
+                if signum != signal.SIGUSR2 and kill_at is None:
+                    kill_at = now + KILL_WAIT_S
+            if not warned and now >= self.time_s - self.lead_s:
+                warned = True
+                self._send(signal.SIGUSR2)
+            if not terminated and now >= self.time_s:
+                terminated = True
+                print(f"hpcrun local job {self.job_id}: time limit reached, SIGTERM to every rank", flush=True)
+                self._send(signal.SIGTERM)
+                kill_at = now + KILL_WAIT_S
+            failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+            if failed and kill_at is None:  # --kill-on-bad-exit
+                print(f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; ending the others", flush=True)
+                self._send(signal.SIGKILL)
+                kill_at = now
+            if kill_at is not None and now >= kill_at:
+                self._send(signal.SIGKILL)
+            time.sleep(POLL_S)
+        codes = [p.returncode for p in self.procs]
+        return next((c for c in codes if c != 0), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcrun.localjob")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--time-s", type=float, required=True)
+    parser.add_argument("--signal-lead-s", type=float, required=True)
+    parser.add_argument("--restart-count", type=int, default=0)
+    args = parser.parse_args(argv)
+    controller = Controller(RunDir(args.run_dir), args.ranks, args.time_s, args.signal_lead_s, args.restart_count)
+    return controller.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""SLURM's command-line tools, called the one way: a missing tool or a controller that does not
+answer is one line naming the tool, never a traceback. hpcrun submits with `sbatch` itself,
+because the script it submits is its own rendered template (see DESIGN: submitit has no public
+hook for the script text)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from hpcrun.errors import HpcrunError, SubmissionError
+
+TIMEOUT_S = 60
+
+
+def run(cmd: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run a SLURM tool; the caller reads its return code and output."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError as exc:
+        raise HpcrunError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise HpcrunError(f"{cmd[0]} did not answer within {timeout:.0f} s: is slurmctld reachable?") from exc
+
+
+def require(tool: str, why: str) -> None:
+    if shutil.which(tool) is None:
+        raise SubmissionError(f"{tool} is not on PATH: {why}")
+
+
+def sbatch(script: Path, dependency: str | None = None) -> str:
+    """Submit `script` as it is (its #SBATCH lines carry every option); returns the job id. A
+    refusal raises SubmissionError with sbatch's own message."""
+    deps = [f"--dependency={dependency}"] if dependency else []
+    out = run(["sbatch", "--parsable", *deps, str(script)])
+    if out.returncode != 0:
+        lines = (out.stderr.strip() or out.stdout.strip()).splitlines()
+        refusal = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else f"exit status {out.returncode}")
+        raise SubmissionError(f"submission refused: {refusal.strip()}")
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    job_id = last.split(";")[0]  # --parsable: "id" or "id;cluster"
+    if not job_id.isdigit():
+        raise SubmissionError(f"sbatch answered {out.stdout.strip()!r}, not a job id")
+    return job_id
