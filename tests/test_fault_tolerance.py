@@ -17,12 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.delayed_training import entrypoint_job
+from tests.helpers import ROOT
 from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state
 
 pytestmark = pytest.mark.slow
 
 FT_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-TRAINING = {"steps": 60, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+TRAINING = {"steps": 40, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+# The interrupted job lasts at least steps x delay (6 s) on any CPU: after its first checkpoint
+# (step 5) there are >= 4 s left to signal it, and after its resumed checkpoint >= 3 s to kill it.
+STEP_DELAY_S = 0.15
 
 
 def controller(run_dir: Path) -> int:
@@ -65,9 +70,10 @@ def test_interrupted_run_ends_bit_identical(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     rng = random.Random(name)
     kwargs = {"strategy": STRATEGIES[name], "training": TRAINING, "checkpoint": {"interval": 5, "export_final": True}}
-    baseline = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, f"{name}-whole", **kwargs))))
+    whole = recipe(tmp_path, f"{name}-whole", job=entrypoint_job(str(ROOT), 0.0), **kwargs)  # the pause changes no number
+    baseline = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(whole)))
 
-    rec = recipe(tmp_path, f"{name}-cut", **kwargs)
+    rec = recipe(tmp_path, f"{name}-cut", job=entrypoint_job(str(ROOT), STEP_DELAY_S), **kwargs)
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     # 1. USR2 to one rank only, at a random moment: all ranks must agree, save and stop
     wait_for(lambda: checkpoint_after(run_dir, 0), what="the first checkpoint")
@@ -108,7 +114,7 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
+    from hpcrun.runtime import strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -185,7 +191,7 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
+    from hpcrun.runtime import strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
