@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.delayed_training import entrypoint_job
+from tests.helpers import ROOT
 from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TRAINING = {"steps": 300, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 CHECKPOINT = {"interval": 50, "max_requeues": 4, "export_final": True}
+# Interrupted jobs are bounded by time, not by this CPU's speed: a pause after every step makes
+# the 300 steps last at least 30 s, so after the first checkpoint (step 50) there are >= 25 s for
+# a signal or a preemption to land. Baselines run the same training without the pause.
+STEP_DELAY_S = 0.1
+PAUSED = entrypoint_job(str(ROOT), STEP_DELAY_S)
+UNPAUSED = entrypoint_job(str(ROOT), 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,8 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def baseline(shared: Path) -> str:
     """The same training, never interrupted (on this machine: same world size, same result)."""
     site = site_copy(shared)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(shared, "baseline", training=TRAINING, checkpoint=CHECKPOINT))))
+    rec = recipe(shared, "baseline", job=UNPAUSED, training=TRAINING, checkpoint=CHECKPOINT)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     return (run_dir / "weights.sha256").read_text()
 
 
@@ -57,7 +66,7 @@ def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
 
 def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     site = site_copy(shared, "testcluster")
-    rec = recipe(shared, name, **{"training": TRAINING, "checkpoint": CHECKPOINT, **extra})
+    rec = recipe(shared, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, **extra})
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 
@@ -65,7 +74,7 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
 def test_time_limit_requeues_until_done(shared: Path) -> None:
     """A job whose work outlasts its 1-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    long = {**TRAINING, "steps": 8000}  # ~110 s of training: past the 60-90 s where USR2 comes
+    long = {**TRAINING, "steps": 500}  # with a 0.2 s pause per step, >= 100 s: past the 60-90 s where USR2 comes
     # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
     # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
@@ -73,8 +82,10 @@ def test_time_limit_requeues_until_done(shared: Path) -> None:
         resources={"nodes": 1, "gpus_per_node": 2, "time": "00:02:00"},
         checkpoint={**CHECKPOINT, "signal_lead_s": 30},
         training=long,
+        job=entrypoint_job(str(ROOT), 0.2),
     )
-    whole = run_dir_of(hpcrun("submit", "--site", str(site_copy(shared)), "--wait", str(recipe(shared, "timelimit-whole", training=long, checkpoint=CHECKPOINT))))
+    whole_rec = recipe(shared, "timelimit-whole", job=UNPAUSED, training=long, checkpoint=CHECKPOINT)
+    whole = run_dir_of(hpcrun("submit", "--site", str(site_copy(shared)), "--wait", str(whole_rec)))
     final = wait_done(run_dir, timeout=600)
     assert final["status"] == "completed"
     starts = records(job)

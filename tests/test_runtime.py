@@ -101,8 +101,14 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
 
     from tests.helpers import ROOT
 
+    from tests.delayed_training import entrypoint_job
+
     site = site_copy(tmp_path)
-    rec = recipe(tmp_path, "long", training={"steps": 150, "lr": 0.003, "micro_batch": 2, "seq_len": 32})
+    # >= 10 s of training on any CPU (a 0.25 s pause per step): >= 8 s left after the first checkpoint
+    rec = recipe(
+        tmp_path, "long", job=entrypoint_job(str(ROOT), 0.25),
+        training={"steps": 40, "lr": 0.003, "micro_batch": 2, "seq_len": 32}, checkpoint={"interval": 5},
+    )
     cli = subprocess.Popen(
         [sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(site), "--wait", str(rec)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -119,7 +125,7 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
     deadline = time.time() + 180
     while time.time() < deadline and not (run_dir / "state.json").exists():
         time.sleep(0.5)
-    assert state(run_dir)["status"] == "completed" and len(losses(run_dir)) == 150
+    assert state(run_dir)["status"] == "completed" and len(losses(run_dir)) == 40
 
 
 OPTIONS = {
