@@ -120,7 +120,7 @@ class TorchEngine:
 
         # cpu_offload on a CPU-only FSDP1 model segfaults in torch 2.13 (and gains nothing there)
         options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
-        state = get_model_state_dict(self.model, options=options)
+        state = tp.cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
         return {k: v.detach().cpu() for k, v in state.items()}
 
 

@@ -1,15 +1,17 @@
 """The rank side of `hpcrun doctor`: what this rank sees (host, interface, GPUs, versions),
 then an all-reduce bandwidth sweep as nccl-tests reports it. Run once per rank with the
-distributed environment set; each rank writes `probe-rank<N>.json` into the run directory."""
+distributed environment set (it is a command job: the runtime names its run directory in
+HPCRUN_RUN_DIR); each rank writes `probe-rank<N>.json` there, atomically."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
 import time
 from pathlib import Path
+
+from hpcrun.rundir import write_json
 
 SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
@@ -39,7 +41,7 @@ def main() -> None:
         "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     }
     out = run_dir / f"probe-rank{rank:05d}.json"
-    out.write_text(json.dumps(report))  # written before connecting: a wrong interface still reports
+    write_json(out, report)  # written before connecting: a wrong interface still reports
     if iface and report["address"] is None:
         raise SystemExit(f"rank {rank} on {report['node']}: interface {iface!r} has no IPv4 address here (interfaces: {report['interfaces']})")
 
@@ -76,7 +78,7 @@ def main() -> None:
         algbw = size / elapsed / 1e9
         rows.append({"bytes": size, "time_us": elapsed * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (world - 1) / world})
     report["allreduce"] = rows
-    out.write_text(json.dumps(report))
+    write_json(out, report)
     dist.destroy_process_group()
 
 

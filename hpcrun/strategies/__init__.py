@@ -1,17 +1,19 @@
 """Training strategies, one module each: its config (validation, per-field docs), its plan-time
 checks, its memory-planner accounting, its results columns and how it builds its engine.
 
-Adding a strategy is one module with a `Strategy` subclass decorated by `register`, imported
-here (or by whoever registers it before recipes naming it are validated).
+Adding a strategy is one module with a `Strategy` subclass, registered here (or by whoever
+calls `register` before recipes naming it are validated).
 """
 
 from __future__ import annotations
 
-# registration order is the order error messages list the names in
-from hpcrun.strategies.base import REGISTRY, Option, PlanProblem, Strategy, StrategyField, register  # noqa: I001
+from hpcrun.strategies.base import REGISTRY, Option, PlanProblem, Strategy, StrategyField, register
 from hpcrun.strategies.ddp import DDP
-from hpcrun.strategies.fsdp import FSDP
 from hpcrun.strategies.deepspeed import DeepSpeed
+from hpcrun.strategies.fsdp import FSDP
+
+for _builtin in (DDP, FSDP, DeepSpeed):  # in the order an unknown name's error lists them
+    register(_builtin)
 
 
 def planner_options() -> list[Option]:

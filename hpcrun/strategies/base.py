@@ -89,10 +89,10 @@ class Strategy(Frozen):
 
 REGISTRY: dict[str, type[Strategy]] = {}
 
-S = tp.TypeVar("S", bound=type[Strategy])
+S = tp.TypeVar("S", bound=Strategy)
 
 
-def register(cls: S) -> S:
+def register(cls: type[S]) -> type[S]:
     """Make a strategy config class known to recipes under its `name` literal."""
     (name,) = tp.get_args(cls.model_fields["name"].annotation)
     REGISTRY[name] = cls
@@ -117,7 +117,8 @@ def _from_mapping(value: tp.Any) -> tp.Any:
         # the unknown-key message should list this class's keys: the field's own type knows only `name`
         keys = ", ".join(sorted(cls.model_fields))
         custom = pydantic_core.PydanticCustomError("value_error", "unknown key (valid keys: {keys})", {"keys": keys})
-        raise pydantic.ValidationError.from_exception_data(exc.title, [{**e, "type": custom} for e in unknown]) from None  # type: ignore[misc]
+        details: list[pydantic_core.InitErrorDetails] = [{"type": custom, "loc": e["loc"], "input": e["input"]} for e in unknown]
+        raise pydantic.ValidationError.from_exception_data(exc.title, details) from None
 
 
 # The type of a recipe's `strategy:` field: any registered config, serialised with its own fields.

@@ -6,7 +6,7 @@ import typing as tp
 
 import pydantic
 
-from hpcrun.strategies.base import Option, PlanProblem, Strategy, register
+from hpcrun.strategies.base import Option, PlanProblem, Strategy
 
 if tp.TYPE_CHECKING:
     from hpcrun.recipe import Recipe
@@ -17,7 +17,6 @@ if tp.TYPE_CHECKING:
 REPLICATED = Option("ddp", {"name": "ddp"}, "none", False, False, order=0)
 
 
-@register
 class DDP(Strategy):
     name: tp.Literal["ddp"]
     static_graph: bool = False

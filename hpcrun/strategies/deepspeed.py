@@ -10,7 +10,7 @@ from pathlib import Path
 import pydantic
 
 from hpcrun.fields import PathStr
-from hpcrun.strategies.base import Option, PlanProblem, Strategy, register
+from hpcrun.strategies.base import Option, PlanProblem, Strategy
 from hpcrun.strategies.ddp import REPLICATED
 
 if tp.TYPE_CHECKING:
@@ -56,7 +56,6 @@ OPTIONS = {
 }
 
 
-@register
 class DeepSpeed(Strategy):
     name: tp.Literal["deepspeed"]
     stage: tp.Literal[0, 1, 2, 3] = 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import typing as tp
 
-from hpcrun.strategies.base import Option, PlanProblem, Strategy, register
+from hpcrun.strategies.base import Option, PlanProblem, Strategy
 from hpcrun.strategies.ddp import REPLICATED
 
 if tp.TYPE_CHECKING:
@@ -25,7 +25,6 @@ OPTIONS = {
 }
 
 
-@register
 class FSDP(Strategy):
     name: tp.Literal["fsdp"]
     sharding: tp.Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
@@ -59,8 +58,7 @@ class FSDP(Strategy):
 
     def build(self, model: "nn.Module", make_optimizer: "OptimizerFactory", recipe: "Recipe", env: "DistEnv", run_dir: str | None, nvme_dir: str | None) -> "Engine":
         import torch
-        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         from hpcrun.runtime.engine import AUTOCAST, TorchEngine, block_classes
