@@ -109,6 +109,7 @@ def test_toy_validates_checks_and_plans(toy: type[Toy], tmp_path: Path) -> None:
     assert "toy" in Toy.model_fields["label"].description  # per-field docs reach the schema
 
 
+@pytest.mark.slow
 def test_toy_trains(toy: type[Toy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the runtime's own entry point on a runspec.json, so the spec's JSON names the
     toy and is read back as one."""
