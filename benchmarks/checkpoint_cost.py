@@ -12,7 +12,10 @@ Three ways of saving are measured side by side:
   shares the CPU with them, against steps with no save in flight. On a 2-core machine the
   writer competes with training for cores; on a GPU node it does not.
 
-    python benchmarks/checkpoint_cost.py [--model 125m] [--saves 7] [--warmup-rounds 2] [--threads N]
+    python benchmarks/checkpoint_cost.py [--model 125m] [--saves 7] [--warmup-rounds 2] [--threads N] [--no-crc]
+
+hpcrun keeps torch.save's per-record CRC32 on; `--no-crc` turns it off for this whole process
+(once, before anything is saved) to show what keeping it costs.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--warmup-rounds", type=int, default=2, help="rounds run first and not counted")
     parser.add_argument("--threads", type=int, default=None, help="DCP writer threads (default: hpcrun's)")
     parser.add_argument("--steps", type=int, default=6, help="clean steps timed before the saves")
+    parser.add_argument("--no-crc", action="store_true", help="torch.save without CRC32, for comparison")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     import torch
@@ -61,9 +65,10 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     torch.set_num_threads(cpu_threads(1))  # as a one-rank hpcrun job
+    torch.serialization.set_crc32_options(not args.no_crc)
     dist.init_process_group("gloo", rank=0, world_size=1)
     tmp = scratch("ckpt-cost-", args.dir)
-    env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "bench", "localhost")
+    env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "bench", "localhost", "bench")
     recipe = Recipe.model_validate({"name": "c", "job": {"kind": "benchmark", "model": args.model}, "training": {"micro_batch": 2, "seq_len": 128}})
     size = SIZES[args.model]
     if args.threads:
@@ -112,7 +117,7 @@ def main() -> None:
     interval = Recipe.model_fields["checkpoint"].default.interval
     share = lambda s: s / (s + interval * step) * 100  # noqa: E731
     mib = 2**20
-    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {ckpt.WRITER_THREADS}, medians of {len(rows)} rounds:")
+    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {ckpt.WRITER_THREADS}, CRC32 {'off' if args.no_crc else 'on'}, medians of {len(rows)} rounds:")
     print(f"disk sequential write (fsync, same size, new file): {med('disk') / mib:.0f} MiB/s")
     sync_stall = med("sync_stall")
     print(f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import builtins
 import io
 import json
-import shutil
 import os
 import random
+import shutil
 import signal
 import subprocess
 import threading
@@ -109,19 +109,18 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
     is raised, and the next save of the same step succeeds."""
     import torch
     import torch.distributed as dist
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import strategies
+    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost")
+        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost", "t")
         recipe_ = Recipe.model_validate({"name": "k", "strategy": {"name": "ddp"}})
         engine = strategies.setup(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p), recipe_, env)
         cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp", asynchronous=asynchronous)
@@ -191,14 +190,14 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import strategies
+    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29000 + (os.getpid() + 7) % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost")
+        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost", "t")
         recipe_ = Recipe.model_validate({"name": "a", "strategy": {"name": "ddp"}})
         torch.manual_seed(0)
 
@@ -253,6 +252,96 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
         assert digest(again) == at_second and again.optimizer.param_groups[0]["lr"] == 0.05
     finally:
         dist.destroy_process_group()
+
+
+def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor record an asynchronous save writes carries torch.save's CRC32 (a load can
+    tell a damaged record; the records lost it when the writer switched the option off around its
+    write), and a torch.save on the main thread while a writer thread is in the middle of its
+    files keeps its CRC too (torch 2.13 keeps such a switch to the thread that set it; the
+    option is left on for the whole process either way)."""
+    import zipfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hpcrun.recipe import Recipe
+    from hpcrun.runtime import checkpoint as ckpt
+    from hpcrun.runtime import engine as strategies
+    from hpcrun.runtime.env import DistEnv
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29000 + (os.getpid() + 13) % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost", "t")
+        recipe_ = Recipe.model_validate({"name": "c", "strategy": {"name": "ddp"}})
+        engine = strategies.setup(torch.nn.Linear(64, 64), lambda p: torch.optim.AdamW(p), recipe_, env)
+        engine.model(torch.randn(2, 64)).sum().backward()
+        engine.optimizer_step()
+        started, resume = threading.Event(), threading.Event()
+        real_open = builtins.open
+
+        def paused_open(file, mode="r", *args, **kwargs):  # type: ignore[no-untyped-def]
+            # the first data file a writer thread opens: hold that thread there, mid-write
+            if str(file).endswith(".distcp") and "w" in mode and threading.current_thread() is not threading.main_thread() and not started.is_set():
+                started.set()
+                assert resume.wait(60)
+            return real_open(file, mode, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", paused_open)
+        monkeypatch.setattr(io, "open", paused_open)  # pathlib's Path.open, which DCP uses
+        cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp", asynchronous=True)
+        cps.save(engine, 1, {"step": 1})
+        assert started.wait(60)
+        main_saved = io.BytesIO()
+        torch.save(torch.arange(1000.0), main_saved)  # the main thread, while a writer is mid-write
+        resume.set()
+        cps.wait()
+        monkeypatch.setattr(builtins, "open", real_open)
+        monkeypatch.setattr(io, "open", real_open)
+        assert torch.serialization.get_crc32_options()
+        assert zipfile.ZipFile(main_saved).testzip() is None
+        state_dir = ckpt.latest(cps.root)[1] / "state"
+        metadata = FileSystemReader(str(state_dir)).read_metadata()
+        tensors = {name for name, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        records = [(index, info) for index, info in metadata.storage_data.items() if index.fqn in tensors]
+        assert len(records) >= 4  # weight, bias and their Adam moments
+        for index, info in records:
+            raw = (state_dir / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+            archive = zipfile.ZipFile(io.BytesIO(raw))
+            assert all(member.CRC for member in archive.infolist()), index.fqn
+            assert archive.testzip() is None, index.fqn
+    finally:
+        dist.destroy_process_group()
+
+
+def test_host_stager_reuses_its_buffers() -> None:
+    """torch's stager copies a save's tensors into the host buffers of the previous save (what
+    keeps the stall short and host memory flat), and the copy is apart from training's tensors:
+    if a torch release stops caching by storage, this fails rather than the stall quietly growing."""
+    import torch
+
+    from hpcrun.runtime import checkpoint as ckpt
+
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    stager = ckpt.host_stager()
+    first = stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    staged = first["model"]["weight"].clone()
+    buffers = (first["model"]["weight"].data_ptr(), first["optim"]["state"][0]["exp_avg"].data_ptr())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert torch.equal(first["model"]["weight"], staged)  # a copy, not a view of training's tensor
+    optimizer.param_groups[0]["lr"] = 0.5
+    second = stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    assert (second["model"]["weight"].data_ptr(), second["optim"]["state"][0]["exp_avg"].data_ptr()) == buffers
+    assert torch.equal(second["model"]["weight"], model.weight) and second["optim"]["param_groups"][0]["lr"] == 0.5
+    stager.close()
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 
 from hpcrun import __version__
 from hpcrun.runtime.env import DistEnv
@@ -92,16 +92,24 @@ def set_rng_state(state: dict[str, tp.Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def host_stager() -> DefaultStager:
+def host_stager(sharded_tensors: bool = False) -> AsyncStager:
     """Stages the state of an asynchronous DCP save into host memory, synchronously: when `stage`
     returns, training may change the state in place and the checkpoint still holds this step's.
-    torch's stager keeps the host copy of every tensor storage it has seen and copies into it at
-    the next save (the buffers are allocated once, so the stall has no fresh pages to fault in
-    and host memory stays flat); reuse is safe because a save starts only after the previous one
-    is written. Pinned, with non-blocking device-to-host copies, only where CUDA is available:
-    StagingOptions' defaults (pinned, shared, a staging thread) assume an accelerator, and a
-    staging thread would let training change the state while it is still being copied."""
+
+    torch's DefaultStager keeps the host copy of every tensor storage it has seen and copies into
+    it at the next save (buffers allocated once: no fresh pages to fault in, host memory flat);
+    reuse is safe because a save starts only after the previous one is written. Pinned, with
+    non-blocking device-to-host copies, only where CUDA is available: StagingOptions' defaults
+    (pinned, shared, a staging thread) assume an accelerator, and a staging thread would let
+    training change the state while it is still being copied.
+
+    FSDP's sharded state dicts hold ShardedTensors, which DefaultStager cannot copy (it asks them
+    for a `data_ptr`): those go through BlockingAsyncStager, which reuses pinned buffers where
+    CUDA is available and, since it always pins what it caches, copies into fresh host buffers
+    on CPU-only torch."""
     cuda = torch.cuda.is_available()
+    if sharded_tensors:
+        return BlockingAsyncStager(cache_staged_state_dict=cuda)
     options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
     return DefaultStager(options)
 
