@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
@@ -48,7 +48,7 @@ class TorchEngine:
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
         self.accum = recipe.training.grad_accum
-        self._stager: DefaultStager | None = None
+        self._stager: AsyncStager | None = None
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
@@ -100,7 +100,9 @@ class TorchEngine:
         import torch.distributed.checkpoint as dcp
 
         if self._stager is None:  # one per engine: its host buffers are reused from save to save
-            self._stager = checkpoint.host_stager()
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self._stager = checkpoint.host_stager(sharded_tensors=isinstance(self.model, FullyShardedDataParallel))
         return dcp.async_save(self._state(), storage_writer=checkpoint.DcpWriter(directory), process_group=group, async_stager=self._stager)  # type: ignore[return-value]
 
     def load(self, directory: Path) -> None:
