@@ -23,7 +23,7 @@ METRICS = {
 }
 
 
-def compare(df: "pd.DataFrame", keys: list[str]) -> "pd.DataFrame":
+def compare(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Completed runs grouped by `keys`: throughput, MFU, step time and memory, and with
     `nodes` among the keys the scaling efficiency per GPU against the smallest node count of
     the same group."""
@@ -64,7 +64,7 @@ def load_baseline(path: Path) -> Baseline:
     return validate(Baseline, read_yaml(path), path)
 
 
-def check(df: "pd.DataFrame", baseline: Baseline, path: Path) -> list[tuple[str, bool]]:
+def check(df: pd.DataFrame, baseline: Baseline, path: Path) -> list[tuple[str, bool]]:
     """(line, ok) per reference: the mean of the newest matching completed runs' metric against
     the reference, allowed `tolerance` (relative) in the bad direction."""
     results = []

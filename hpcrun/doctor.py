@@ -12,6 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from hpcrun import slurm
+from hpcrun.errors import HpcrunError
 from hpcrun.site import Site
 
 
@@ -26,8 +28,12 @@ class Finding:
         return f"{self.status:4}  {self.check}: {self.message}" + (f" -> {self.fix}" if self.fix else "")
 
 
+TIMEOUT_S = 30.0  # a login-node query that takes longer means the controller is not answering
+
+
 def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    """A SLURM tool that is missing or hangs is one line naming it (exit code 2), not a traceback."""
+    return slurm.run(cmd, timeout=TIMEOUT_S)
 
 
 def login_checks(site: Site, script: str) -> list[Finding]:
@@ -41,11 +47,15 @@ def login_checks(site: Site, script: str) -> list[Finding]:
             found.append(Finding("fail", tool, "not on PATH", "run on a login node, or load the site's slurm module"))
     if any(f.status == "fail" for f in found):
         return found
-    info = _run(["sinfo", "-h", "-o", "%R|%D|%c|%m|%G|%l"]).stdout
+    info = _run(["sinfo", "-h", "-o", "%R|%D|%c|%m|%G|%l"])
+    if info.returncode != 0:
+        return found + [Finding("fail", "sinfo", info.stderr.strip() or f"exit status {info.returncode}", "check that slurmctld answers from this node")]
     seen: dict[str, dict[str, str]] = {}
-    for line in info.splitlines():
-        part, nodes, cpus, mem, gres, limit = line.split("|")
-        seen.setdefault(part, {"nodes": nodes, "cpus": cpus, "mem": mem, "gres": gres, "limit": limit})
+    for line in info.stdout.splitlines():
+        fields = line.split("|")
+        if len(fields) == 6:
+            part, nodes, cpus, mem, gres, limit = fields
+            seen.setdefault(part, {"nodes": nodes, "cpus": cpus, "mem": mem, "gres": gres, "limit": limit})
     for name, p in site.partitions.items():
         check = f"partition {name}"
         if name not in seen:
@@ -71,7 +81,10 @@ def login_checks(site: Site, script: str) -> list[Finding]:
         if not problems:
             found.append(Finding("ok", check, f"{s['nodes']} nodes, {cpus} CPUs, {mem_gb:.1f} GB, GRES {s['gres']}, limit {s['limit']}"))
     if site.account or site.qos:
-        assoc = _run(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={getpass.getuser()}", "format=account,qos"]).stdout
+        answer = _run(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={getpass.getuser()}", "format=account,qos"])
+        if answer.returncode != 0:
+            raise HpcrunError(f"sacctmgr failed, so account and qos cannot be checked: {answer.stderr.strip() or f'exit status {answer.returncode}'}")
+        assoc = answer.stdout
         accounts = {l.split("|")[0] for l in assoc.splitlines() if "|" in l}
         qos = {q for l in assoc.splitlines() if "|" in l for q in l.split("|")[1].split(",")}
         if site.account and site.account not in accounts:
@@ -144,6 +157,6 @@ def record(site: Site, run_dir: Path, spec_nodes: int) -> None:
         "run_id": run_dir.name, "site": site.name, "cluster": site.cluster or site.name, "job_kind": "doctor",
         "interconnect": site.network.interconnect, "nodes": spec_nodes, "world_size": reports[0]["world"],
         "node_list": ",".join(sorted({r["node"] for r in reports})), "status": "completed",
-        "end_time": dt.datetime.now(dt.timezone.utc), "torch_version": reports[0].get("torch"), "nccl_version": reports[0].get("nccl"),
+        "end_time": dt.datetime.now(dt.UTC), "torch_version": reports[0].get("torch"), "nccl_version": reports[0].get("nccl"),
         "extra": {f"busbw_gbs_{row['bytes']}": row["busbw_gbs"] for row in table} | {"busbw_gbs_peak": max(r["busbw_gbs"] for r in table)},
     })

@@ -21,7 +21,7 @@ class Ledger:
 
     @classmethod
     @contextlib.contextmanager
-    def locked(cls, directory: Path) -> tp.Iterator["Ledger"]:
+    def locked(cls, directory: Path) -> tp.Iterator[Ledger]:
         """The ledger, read under the lock; `save` it before leaving the block."""
         directory.mkdir(parents=True, exist_ok=True)
         with lock(directory / LEDGER):

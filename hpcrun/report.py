@@ -11,7 +11,7 @@ if tp.TYPE_CHECKING:
     import pandas as pd
 
 
-def report(df: "pd.DataFrame", out: Path, title: str = "hpcrun report") -> list[Path]:
+def report(df: pd.DataFrame, out: Path, title: str = "hpcrun report") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # login nodes have no display

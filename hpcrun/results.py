@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from hpcrun.rundir import atomic_path
+
 if tp.TYPE_CHECKING:
     import pandas as pd
 
@@ -64,9 +66,9 @@ def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:
 
 
 def _write_atomic(data: pa.Table, path: Path) -> None:
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
-    pq.write_table(data, tmp)
-    os.replace(tmp, path)
+    """Under a hidden temporary name (which `files` skips), synced, then renamed (rundir's one way)."""
+    with atomic_path(path) as tmp:
+        pq.write_table(data, tmp)
 
 
 def files(results_dir: str | Path) -> list[Path]:
@@ -108,7 +110,7 @@ def _unique(data: pa.Table) -> pa.Table:
     return data if len(keep) == len(ids) else data.take(keep)
 
 
-def load(results_dir: str | Path, **filters: tp.Any) -> "pd.DataFrame":
+def load(results_dir: str | Path, **filters: tp.Any) -> pd.DataFrame:
     """All results under `results_dir` (a directory, or a site name: its results directory) as
     a DataFrame with the schema's dtypes. A file that is truncated or not ours is reported
     (warning) and skipped. `filters` are column=value (or a list of values) equalities."""

@@ -265,13 +265,15 @@ def load_site(name_or_path: str) -> Site:
     """The validated site for a name on the search path or a path to a YAML file."""
     path = find_site(name_or_path)
     data = read_yaml(path)
-    data = _expand_paths(data)
+    data = _expand_paths(data, path.parent)
     site = validate(Site, data, path)
     return site.model_copy(update={"source": str(path)})
 
 
-def _expand_paths(data: dict[str, tp.Any]) -> dict[str, tp.Any]:
-    """`~` and `$VARS` in storage paths are the submitting user's, so expand them here, once."""
+def _expand_paths(data: dict[str, tp.Any], base: Path) -> dict[str, tp.Any]:
+    """`~` and `$VARS` in storage paths are the submitting user's, so expand them here, once. A
+    relative path is relative to the site file's directory, like `template:`: the directory
+    hpcrun happens to be started from must not decide where runs and results go."""
     storage = data.get("storage")
     if not isinstance(storage, dict):
         return data
@@ -279,7 +281,7 @@ def _expand_paths(data: dict[str, tp.Any]) -> dict[str, tp.Any]:
 
     def expand(value: str) -> str:
         # absolute, because submitit and sbatch resolve relative paths against other directories
-        return os.path.abspath(string.Template(os.path.expanduser(value)).safe_substitute(variables))
+        return os.path.abspath(base / string.Template(os.path.expanduser(value)).safe_substitute(variables))
 
     storage = dict(storage)
     for key in ("runs_dir", "results_dir"):

@@ -22,7 +22,7 @@ def _matches(point: dict[str, tp.Any], pattern: dict[str, tp.Any]) -> bool:
 
 def _same(a: tp.Any, b: tp.Any) -> bool:
     # `strategy: ddp` and `strategy: {name: ddp}` name the same axis value
-    norm = lambda v: {"name": v} if isinstance(v, str) else v  # noqa: E731
+    norm = lambda v: {"name": v} if isinstance(v, str) else v
     return a == b or norm(a) == norm(b)
 
 
@@ -52,7 +52,7 @@ def describe(point: dict[str, tp.Any]) -> str:
     return " ".join(parts)
 
 
-def sweep_id(recipe_file: "RecipeFile", site: "Site") -> str:
+def sweep_id(recipe_file: RecipeFile, site: Site) -> str:
     """The same recipe on the same site is the same sweep: re-running it continues it."""
     blob = json.dumps({"recipe": recipe_file.raw, "sweep": recipe_file.sweep.model_dump() if recipe_file.sweep else None, "site": site.name}, sort_keys=True, default=str)
     return f"{recipe_file.base.name}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"

@@ -9,10 +9,13 @@ from hpcrun.plan import runs_of
 from hpcrun.recipe import load_recipe
 from hpcrun.site import Site, load_site
 
+# keys only a site profile has: a file with any of them is a site, even one that forgot
+# `scheduler:` (it is then told so, instead of being checked as a recipe)
+SITE_KEYS = {"scheduler", "partitions", "default_partition", "network", "storage"}
+
 
 def is_site_file(path: Path) -> bool:
-    """Sites declare a scheduler; recipes never do."""
-    return "scheduler" in read_yaml(path)
+    return bool(SITE_KEYS & set(read_yaml(path)))
 
 
 def check_file(path: Path, site: Site | None) -> str:

@@ -75,7 +75,10 @@ def checkpoint() -> None:
 def checkpoint_consolidate(site_name: str, run: str, step: int | None) -> None:
     """Write one fp32 state dict from RUN's sharded (DCP or ZeRO) checkpoint."""
     from hpcrun.rundir import RunDir
-    from hpcrun.runtime.checkpoint import complete, consolidate  # torch: this command is for after the run
+    from hpcrun.runtime.checkpoint import (  # torch: this command is for after the run
+        complete,
+        consolidate,
+    )
 
     run_dir = one_run(site_name, run)
     steps = [number for number, _ in complete(RunDir(run_dir).checkpoints)]
