@@ -167,7 +167,7 @@ def limits() -> tuple[int, int | None]:
     config = _ask(["scontrol", "show", "config"], "read MaxArraySize")
     size = next((int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"), MAX_ARRAY_SIZE)
     user = getpass.getuser()
-    assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={user}", "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
+    assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
     caps = [int(x) for x in assoc.split() if x.strip().isdigit()]
     if not caps:
         return size, None

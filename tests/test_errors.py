@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -214,3 +215,15 @@ def test_relative_storage_paths_resolve_against_the_site_file(tmp_path: Path, mo
     monkeypatch.chdir(tmp_path)
     assert load_site("conf/mine.yaml").storage.runs_dir == str(tmp_path / "conf" / "runs")
     assert load_site(str(ROOT / "sites" / "testcluster.yaml")).storage.runs_dir == "/var/tmp/hpcrun-testcluster/runs"  # absolute stays
+
+
+# --- the real controller answers the sweep's limit queries (a wrong sacctmgr argument is an error) --
+@pytest.mark.cluster
+def test_sweep_limits_from_the_real_cluster() -> None:
+    from hpcrun.campaign import limits
+
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
+    expected = next(int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize")
+    size, headroom = limits()
+    assert size == expected
+    assert headroom is None  # the test cluster sets no MaxSubmitJobs
