@@ -227,3 +227,18 @@ def test_sweep_limits_from_the_real_cluster() -> None:
     size, headroom = limits()
     assert size == expected
     assert headroom is None  # the test cluster sets no MaxSubmitJobs
+
+
+def test_status_with_a_failing_squeue_is_one_line(bare_path: Path, tmp_path: Path) -> None:
+    """Without accounting, status falls back to squeue; a squeue that fails must not turn every
+    run into LEFT_QUEUE."""
+    fake_tools(
+        bare_path,
+        sacct='echo "sacct: error: Slurm accounting storage is disabled" >&2; exit 1',
+        squeue='echo "squeue: error: Unable to contact slurm controller (connect failure)" >&2; exit 1',
+    )
+    site = site_copy(tmp_path, "testcluster")
+    run_dir = fake_run(tmp_path / "runs", "r1")
+    (run_dir / "jobs.json").write_text(json.dumps([{"job_id": "12", "scheduler": "slurm"}]))
+    line = one_line_refusal(cli("status", "--site", str(site), "r1"))
+    assert line == "Error: squeue failed: squeue: error: Unable to contact slurm controller (connect failure)"
