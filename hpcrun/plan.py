@@ -77,9 +77,9 @@ class RunSpec(Frozen):
 
     @property
     def log_folder(self) -> Path:
-        """submitit's folder for pickles and per-task logs (`<job>_<task>_log.out`). No `%j` in
-        it: SLURM opens `--output` before the job could create a per-job directory."""
-        return Path(self.run_dir) / "logs"
+        """Per-task logs (`<job>_<task>_log.out`). No `%j` in the folder: SLURM opens `--output`
+        before the job could create a per-job directory."""
+        return RunDir(self.run_dir).logs
 
 
 def peak_tflops(part: Partition, precision: str) -> float | None:

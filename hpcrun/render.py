@@ -80,7 +80,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
     extra, name = template_name(spec)
     template = environment(extra).get_template(name)
     site = spec.site
-    part = site.partitions[spec.partition]
+    part = spec.partition_spec
     return template.render(
         version=__version__,
         spec=spec,

@@ -50,7 +50,7 @@ class Context:
         """This job's own directory on node-local NVMe, when the strategy swaps to it."""
         if self.spec.nvme_dir is None:
             return None
-        return nvme_job_dir(self.spec.nvme_dir, getattr(self.env, "allocation_id", self.env.job_id))
+        return nvme_job_dir(self.spec.nvme_dir, self.env.allocation_id)
 
     def setup(self, model: torch.nn.Module, make_optimizer: engines.OptimizerFactory) -> engines.Engine:
         """Wrap `model` in the recipe's strategy, build the optimizer, and resume from the newest

@@ -28,7 +28,7 @@ export FI_MR_CACHE_MONITOR=userfaultfd
 export FI_PROVIDER=cxi
 export GLOO_SOCKET_IFNAME=hsn0
 export NCCL_CROSS_NIC=1
-export NCCL_NET=AWS Libfabric
+export NCCL_NET='AWS Libfabric'
 export NCCL_SOCKET_IFNAME=hsn0
 
 # Rendezvous on the first node, spelled as its high-speed hostname.
