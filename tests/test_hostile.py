@@ -1,7 +1,9 @@
 """Hostile values in every string field of a site and a recipe: each is rejected with one line
 naming the file and field, or rendered so that `bash -n` passes and running the script (with
-the scheduler's tools stubbed at the process boundary) executes nothing that was injected and
-carries no extra #SBATCH directive."""
+the scheduler's tools stubbed at the process boundary) executes nothing that was injected,
+carries no extra #SBATCH directive, exits 0 and reaches its last line: the stub srun logs the
+task's launch. The sites' setup line sources a file the test creates, so the script does not
+stop there. `environment.python` is covered as a string and as a list of words."""
 
 from __future__ import annotations
 
