@@ -65,9 +65,9 @@ def login_checks(site: Site, script: str) -> list[Finding]:
         problems = []
         if int(s["nodes"]) < p.max_nodes:
             problems.append((f"max_nodes {p.max_nodes} but sinfo has {s['nodes']} nodes", f"partitions.{name}.max_nodes: {s['nodes']}"))
-        cpus = int(re.sub(r"\D.*", "", s["cpus"]) or 0)
-        if cpus and cpus < p.cpus_per_node:
-            problems.append((f"cpus_per_node {p.cpus_per_node} but nodes have {cpus}", f"partitions.{name}.cpus_per_node: {cpus}"))
+        node_cpus = int(re.sub(r"\D.*", "", s["cpus"]) or 0)
+        if node_cpus and node_cpus < p.cpus_per_node:
+            problems.append((f"cpus_per_node {p.cpus_per_node} but nodes have {node_cpus}", f"partitions.{name}.cpus_per_node: {node_cpus}"))
         mem_gb = int(re.sub(r"\D.*", "", s["mem"]) or 0) / 1000
         if mem_gb and mem_gb + 0.05 < p.memory_gb:
             problems.append((f"memory_gb {p.memory_gb} but nodes have {mem_gb:.1f}", f"partitions.{name}.memory_gb: {mem_gb:.1f}"))
@@ -79,7 +79,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
         for message, fix in problems:
             found.append(Finding("fail", check, message, f"set {fix} in {where}"))
         if not problems:
-            found.append(Finding("ok", check, f"{s['nodes']} nodes, {cpus} CPUs, {mem_gb:.1f} GB, GRES {s['gres']}, limit {s['limit']}"))
+            found.append(Finding("ok", check, f"{s['nodes']} nodes, {node_cpus} CPUs, {mem_gb:.1f} GB, GRES {s['gres']}, limit {s['limit']}"))
     if site.account or site.qos:
         answer = _run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={getpass.getuser()}", "format=account,qos"])
         if answer.returncode != 0:

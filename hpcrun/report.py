@@ -39,7 +39,7 @@ def report(df: pd.DataFrame, out: Path, title: str = "hpcrun report") -> list[Pa
         made.append(out / name)
     memory = table.groupby("strategy")["peak_memory_bytes"].max().astype(float) / 2**20
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([str(s) for s in memory.index], memory.values)
+    ax.bar([str(s) for s in memory.index], [float(v) for v in memory])
     ax.set_ylabel("peak memory per rank (MiB)")
     ax.set_title("peak memory per strategy")
     fig.tight_layout()

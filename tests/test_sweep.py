@@ -11,10 +11,10 @@ from pathlib import Path
 
 import yaml
 
+from hpcrun.campaign import arrays, points
 from hpcrun.ledger import Ledger
 from hpcrun.recipe import Sweep, load_recipe
 from hpcrun.site import load_site
-from hpcrun.campaign import arrays, points
 from hpcrun.sweep import expand, point_id
 from tests.helpers import ROOT
 from tests.runs import site_copy
@@ -132,10 +132,10 @@ def test_retry_failed_resubmits_only_failed_points(tmp_path: Path) -> None:
     site = site_copy(tmp_path, "testcluster")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "hpcrun.cli", "sweep", "--site", str(site), "jobs/gpt-strategies.yaml"]
-    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert "submitted 8 point(s)" in first.stdout, first.stderr
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert "submitted 0 point(s)" in again.stdout
-    retry = subprocess.run(cmd + ["--retry-failed"], cwd=ROOT, env=env, capture_output=True, text=True)
+    retry = subprocess.run(cmd + ["--retry-failed"], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert "submitted 1 point(s); 7 already submitted" in retry.stdout, retry.stdout + retry.stderr
     assert len((tmp_path / "submitted").read_text().splitlines()) == 9
