@@ -72,8 +72,9 @@ def render_array(specs: list[RunSpec], array: str, log_folder: Path) -> str:
 
 def array_key(spec: RunSpec) -> str:
     """The text of the array script `spec` would share, without the list of points: sweep
-    points with the same key can be one array, whatever fields they differ in."""
-    return _render(spec, "ARRAY", [], spec.log_folder)
+    points with the same key can be one array, whatever fields they differ in. The array and
+    its log folder are placeholders: a sweep's arrays share one log folder."""
+    return _render(spec, "ARRAY", [], Path("LOGS"))
 
 
 def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: Path) -> str:

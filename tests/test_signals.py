@@ -21,18 +21,32 @@ def test_without_the_flag_usr2_kills() -> None:
     assert out.returncode == -12 and "alive" not in out.stdout
 
 
-def test_launcher_replaces_submitit_handlers() -> None:
+def test_job_environment_leaves_the_flag_in_place() -> None:
+    """Inside a SLURM task the ranks come from submitit's JobEnvironment; reading it must not
+    install submitit's own handlers over the stop flag (which would requeue from inside a
+    handler on one rank)."""
+    import os
+
     code = (
-        "import signal, hpcrun.launch as l\n"
-        "from submitit.core import job_environment as je\n"
-        "import submitit.core.submission as s\n"
-        "s.submitit_main = lambda: None\n"
-        "l.main()\n"
-        "je.JobEnvironment._handle_signals(None, None, None)\n"
-        "print(signal.getsignal(signal.SIGUSR2).__self__ is hpcrun.signals.FLAG)\n"
+        "import signal, hpcrun.launch, hpcrun.signals\n"
+        "from hpcrun.runtime.env import from_scheduler\n"
+        "env = from_scheduler()\n"
+        "print(env.rank, env.world_size, env.job_id, env.allocation_id)\n"
+        "print(all(signal.getsignal(s).__self__ is hpcrun.signals.FLAG for s in (signal.SIGUSR2, signal.SIGTERM)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", "import hpcrun.signals\n" + code], capture_output=True, text=True, cwd=ROOT)
-    assert out.stdout.strip() == "True", out.stderr
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "localhost", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **slurm})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["1 4 70_3 77", "True"], out.stdout + out.stderr
+
+
+def test_launch_usage_is_one_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "hpcrun.launch"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.strip() == "usage: python -m hpcrun.launch RUN_DIR"
 
 
 def test_cpu_ranks_share_the_cores() -> None:
