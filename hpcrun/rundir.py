@@ -30,6 +30,8 @@ FINAL_WEIGHTS = "final-weights.pt"
 WEIGHTS_DIGEST = "weights.sha256"
 DEEPSPEED_CONFIG = "deepspeed-config.json"
 CONTROLLER_LOG = "controller.log"
+PROGRESS = "progress.json"
+TENSORBOARD = "tensorboard"
 LEDGER = "ledger.json"
 SWEEPS = "sweeps"
 
@@ -152,6 +154,15 @@ class RunDir:
     @property
     def deepspeed_config(self) -> Path:
         return self.path / DEEPSPEED_CONFIG
+
+    @property
+    def progress(self) -> Path:
+        """Rank 0's latest progress (step, total, loss, rate, ETA), rewritten as it trains."""
+        return self.path / PROGRESS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD
 
     @property
     def controller_log(self) -> Path:
