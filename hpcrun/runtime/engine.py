@@ -52,7 +52,7 @@ class TorchEngine:
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
-        sync = contextlib.nullcontext() if last or self.accum == 1 else self.model.no_sync()
+        sync = contextlib.nullcontext() if last or self.accum == 1 else tp.cast(tp.Any, self.model).no_sync()  # DDP and FSDP both have it
         cast = torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
         with sync:
             with cast:
@@ -67,7 +67,7 @@ class TorchEngine:
             self.scaler.unscale_(self.optimizer)
         if clip:
             if hasattr(self.model, "clip_grad_norm_"):  # FSDP: the norm spans every shard
-                self.model.clip_grad_norm_(clip)
+                tp.cast(tp.Any, self.model).clip_grad_norm_(clip)
             else:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if self.scaler:

@@ -55,8 +55,9 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02 / math.sqrt(2 * self.size.layers) if name.endswith(("proj", "out")) else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)

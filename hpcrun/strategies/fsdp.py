@@ -100,4 +100,4 @@ def _materialise(module: "nn.Module", device: "device", init: tp.Callable[["nn.M
     if init is not None:
         init(module)
     elif callable(getattr(module, "reset_parameters", None)) and not any(True for _ in module.children()):
-        module.reset_parameters()
+        tp.cast(tp.Any, module).reset_parameters()
