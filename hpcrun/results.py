@@ -28,7 +28,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "attempt_id": S, "run_id": S, "sweep_id": S, "point_id": S, "stage": S, "site": S, "cluster": S, "partition": S,
     "nodes": I, "gpus_per_node": I, "world_size": I, "gpu_model": S, "interconnect": S,
     "strategy": S, "zero_stage": I, "offload_optimizer": S, "offload_param": S, "precision": S,
-    "job_kind": S, "model": S, "parameters": I, "micro_batch": I, "grad_accum": I, "global_batch": I, "seq_len": I, "steps": I,
+    "job_kind": S, "model": S, "parameters": I, "micro_batch": I, "grad_accum": I, "global_batch": I, "seq_len": I, "steps": I, "seed": I,
     "job_id": S, "node_list": S, "restart_count": I, "start_time": T, "end_time": T, "status": S, "reason": S,
     "hpcrun_version": S, "torch_version": S, "deepspeed_version": S, "nccl_version": S, "git_sha": S,
     "site_hash": S, "recipe_hash": S, "script_hash": S,

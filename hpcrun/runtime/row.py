@@ -43,7 +43,7 @@ def result_row(ctx: Context, status: str, reason: str | None, peak: int) -> dict
         "precision": recipe.precision, "job_kind": recipe.job.kind, "model": spec.model,
         "parameters": size.parameters(t.seq_len) if size else None,
         "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "global_batch": samples,
-        "seq_len": t.seq_len, "steps": t.steps,
+        "seq_len": t.seq_len, "steps": t.steps, "seed": t.seed,
         "job_id": ctx.env.job_id, "node_list": ctx.env.node_list, "restart_count": ctx.env.restart_count,
         "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
         "hpcrun_version": __version__, "torch_version": torch.__version__, "deepspeed_version": ds_version,
