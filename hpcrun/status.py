@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import slurm
+from hpcrun import progress, slurm
 from hpcrun.errors import HpcrunError
+from hpcrun.progress import Progress
 from hpcrun.rundir import RunDir
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "STOPPED"}
@@ -26,6 +28,8 @@ class RunStatus:
     restarts: int = 0
     reason: str = ""
     source: str = "sacct"
+    progress: Progress | None = None  # rank 0's latest progress.json (any of the run's jobs)
+    submitted: float | None = None  # when the job was submitted (jobs.json): local runs' elapsed time
 
     @property
     def done(self) -> bool:
@@ -117,20 +121,42 @@ def alive(pid: str) -> bool:
 
 
 def statuses(run_dirs: list[Path]) -> list[RunStatus]:
-    """The status of each run (its latest job), with one scheduler query for all of them."""
+    """The status of each run (its latest job) and its progress, with one scheduler query for
+    all of them."""
+    result = [dataclasses.replace(s, progress=progress.read(Path(d))) for d, s in zip(run_dirs, _scheduled(run_dirs)) if s is not None]
+    now = time.time()
+    for status in result:
+        p = status.progress
+        if p is not None and p.job_id == status.job_id:  # the attempt now running may not have ended yet
+            status.restarts = max(status.restarts, p.restart_count)
+        if status.source == "local" and status.elapsed_s is None and status.submitted is not None:
+            end = now if status.state == "RUNNING" else (p.updated if p is not None and p.job_id == status.job_id else None)
+            status.elapsed_s = None if end is None else max(0, int(end - status.submitted))
+    return result
+
+
+def _scheduled(run_dirs: list[Path]) -> list[RunStatus | None]:
+    """What the scheduler (or, for local runs, the controller's liveness) and the runtime's
+    marker say of each run's latest job; None for a run never submitted."""
     latest = {d: job for d in run_dirs if (job := RunDir(d).latest_job())}
     slurm_ids = [j["job_id"] for j in latest.values() if j["scheduler"] == "slurm"]
     rows = sacct(slurm_ids)
     source = "sacct"
     if rows is None:
         rows, source = squeue(slurm_ids), "squeue+markers (accounting disabled)"
-    result = []
-    for run_dir, job in latest.items():
+    result: list[RunStatus | None] = []
+    for run_dir in run_dirs:
+        job = latest.get(run_dir)
+        if job is None:
+            result.append(None)
+            continue
         mark = marker(run_dir)
         own = mark if mark.get("job_id") == job["job_id"] else {}
         if job["scheduler"] == "local":
             state = "RUNNING" if alive(job["job_id"]) else _from_marker(own)
-            result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), own.get("reason") or "", "local"))
+            submitted = job.get("submitted")
+            since = float(submitted) if isinstance(submitted, (int, float)) else None
+            result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), own.get("reason") or "", "local", submitted=since))
             continue
         row = rows.get(job["job_id"])
         if row is None:
@@ -149,11 +175,16 @@ def _from_marker(mark: dict[str, tp.Any]) -> str:
     return {"completed": "COMPLETED", "failed": "FAILED", "stopped": "STOPPED", "requeued": "REQUEUED"}.get(mark.get("status", ""), "FAILED")
 
 
-def wait(run_dirs: list[Path], timeout: float | None = None, on_change: tp.Callable[[list[RunStatus]], None] | None = None) -> list[RunStatus]:
+def wait(
+    run_dirs: list[Path],
+    timeout: float | None = None,
+    on_change: tp.Callable[[list[RunStatus]], None] | None = None,
+    on_poll: tp.Callable[[list[RunStatus]], None] | None = None,
+    interval: float = 1.0,
+) -> list[RunStatus]:
     """Poll (one scheduler query per poll) until every run has ended or `timeout` passes;
-    `on_change` sees each new set of states. Returns the last states."""
-    import time
-
+    `on_change` sees each new set of states, `on_poll` every poll (progress moves between state
+    changes). Returns the last states."""
     deadline = None if timeout is None else time.time() + timeout
     shown: list[tuple[str, str, int]] = []
     while True:
@@ -162,6 +193,8 @@ def wait(run_dirs: list[Path], timeout: float | None = None, on_change: tp.Calla
         if on_change and key != shown:
             on_change(current)
             shown = key
+        if on_poll:
+            on_poll(current)
         if (current and all(s.done for s in current)) or (deadline is not None and time.time() > deadline):
             return current
-        time.sleep(1)
+        time.sleep(interval)

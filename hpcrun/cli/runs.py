@@ -13,8 +13,12 @@ from hpcrun.errors import HpcrunError
 @site_option
 @click.argument("run", required=False)
 def status(site_name: str, run: str | None) -> None:
-    """State, nodes, elapsed time and restarts of runs (one scheduler query for all). RUN may be
-    a run id, a sweep id or a unique prefix; without it, every run."""
+    """State, nodes, elapsed time, restarts and, while training, step of total, tokens/s, ETA
+    and newest checkpoint of runs (one scheduler query for all). RUN may be a run id, a sweep id
+    or a unique prefix; without it, every run."""
+    import time
+
+    from hpcrun.progress import duration, live, rate
     from hpcrun.status import statuses
 
     rows = statuses(run_dirs(site_name, run, many=True))
@@ -28,10 +32,19 @@ def status(site_name: str, run: str | None) -> None:
             key = "done" if r.state == "COMPLETED" else "running" if r.state == "RUNNING" else "pending" if r.state in ("PENDING", "REQUEUED") else "failed"
             counts[key] = counts.get(key, 0) + 1
         click.echo("  ".join(f"{k} {counts.get(k, 0)}" for k in ("done", "running", "pending", "failed")))
-    click.echo(f"{'RUN':48} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8}  REASON")
+    width = max(24, *(len(r.run_id) for r in rows))
+    now = time.time()
+    lines = [f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} {'STEP':>13} {'%':>4} {'TOK/S':>6} {'ETA':>8} {'CKPT':>6}  REASON"]
     for r in rows:
-        elapsed = "" if r.elapsed_s is None else f"{r.elapsed_s // 60}:{r.elapsed_s % 60:02d}"
-        click.echo(f"{r.run_id:48} {r.job_id:>10} {r.state:12} {r.nodes:12} {elapsed:>8} {r.restarts:>8}  {r.reason}")
+        p = r.progress
+        step = f"{p.step}/{p.total}" if p else ""
+        percent = f"{p.percent:.0f}" if p and p.percent is not None else ""
+        tokens = rate(p.tokens_per_s) if p and live(r) else ""
+        eta = duration(p.eta_now(now)) if p and live(r) else ""
+        ckpt = "" if p is None or p.checkpoint_step is None else str(p.checkpoint_step)
+        scheduled = f"{r.run_id:{width}} {r.job_id:>10} {r.state:12} {r.nodes:12} {duration(r.elapsed_s):>8} {r.restarts:>8}"
+        lines.append(f"{scheduled} {step:>13} {percent:>4} {tokens:>6} {eta:>8} {ckpt:>6}  {r.reason}".rstrip())
+    click.echo("\n".join(lines))
     click.echo(f"(from {', '.join(sources)})", err=True)
 
 

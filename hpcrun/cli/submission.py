@@ -51,17 +51,19 @@ def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
 
 
 def _wait(run_dirs: list[Path]) -> None:
-    from hpcrun.status import RunStatus, wait
+    """Follow the runs to their end: a live bar per run on a terminal, a plain line now and then
+    otherwise (progress.display). Ctrl-C stops following, never the jobs."""
+    from hpcrun.progress import display
+    from hpcrun.status import wait
 
-    def show(current: list[RunStatus]) -> None:
-        line = "  ".join(f"{s.run_id}: {s.state}" + (f" (restarts {s.restarts})" if s.restarts else "") for s in current)
-        click.echo(line, err=True)
-
+    shown = display()
     try:
-        current = wait(run_dirs, on_change=show)
+        current = wait(run_dirs, on_poll=shown.show)
     except KeyboardInterrupt:
+        shown.close()
         click.echo(f"\nleft the job running; reattach with: hpcrun status {run_dirs[-1]}", err=True)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
+    shown.close()
     _print_results(run_dirs)
     if any(s.state != "COMPLETED" for s in current):
         raise SystemExit(1)

@@ -1,0 +1,220 @@
+"""A run's live progress as people watching it see it: rank 0's `progress.json` read into a typed
+`Progress`, the few words `status` shows for it, and the two displays of `--wait` (a tqdm bar per
+run on a terminal, a plain line now and then into a log).
+
+Login side only: imports neither torch nor the runtime that writes the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import typing as tp
+from pathlib import Path
+
+from hpcrun.rundir import CorruptStateError, RunDir, read_json
+
+if tp.TYPE_CHECKING:
+    from hpcrun.status import RunStatus
+
+PLAIN_INTERVAL_S = 30.0  # a log or CI page wants a line now and then, not one per poll
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What rank 0 last said of its training (progress.json). `eta_s` is as of `updated`."""
+
+    step: int
+    total: int
+    updated: float
+    job_id: str = ""
+    restart_count: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    eta_s: float | None = None
+    checkpoint_step: int | None = None
+
+    @property
+    def percent(self) -> float | None:
+        return 100.0 * self.step / self.total if self.total > 0 else None
+
+    def eta_now(self, now: float) -> float | None:
+        """Seconds left from `now`: the writer's estimate less the time since it wrote it."""
+        return None if self.eta_s is None else max(0.0, self.eta_s - max(0.0, now - self.updated))
+
+
+_INTS = ("step", "total", "restart_count", "checkpoint_step")
+_FLOATS = ("updated", "loss", "tokens_per_s", "step_time_s", "eta_s")
+_REQUIRED = ("step", "total", "updated")
+
+
+def parse(path: Path, value: tp.Any) -> Progress:
+    """`value` (progress.json's JSON) checked field by field; a wrong one is a CorruptStateError
+    naming the file and the field. Unknown fields are ignored: the writer may add some."""
+    if not isinstance(value, dict):
+        raise CorruptStateError(path, "not a JSON object")
+    fields: dict[str, tp.Any] = {}
+    for name in _REQUIRED:
+        if value.get(name) is None:
+            raise CorruptStateError(path, f"field {name!r} missing")
+    for name in _INTS:
+        got = value.get(name)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, int)):
+            raise CorruptStateError(path, f"field {name!r} is not an integer (got {got!r})")
+        if got is not None:
+            fields[name] = got
+    for name in _FLOATS:
+        got = value.get(name)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, (int, float))):
+            raise CorruptStateError(path, f"field {name!r} is not a number (got {got!r})")
+        if got is not None:
+            fields[name] = float(got)
+    if value.get("job_id") is not None:
+        fields["job_id"] = str(value["job_id"])
+    return Progress(**fields)
+
+
+def read(run_dir: Path) -> Progress | None:
+    """The run's progress, or None before rank 0 first wrote it. The writer replaces the file
+    atomically, so a file that does not parse is corrupt, not half-written: refused."""
+    path = RunDir(run_dir).progress
+    value = read_json(path, None)
+    return None if value is None else parse(path, value)
+
+
+# words -------------------------------------------------------------------------------------
+def duration(seconds: float | None) -> str:
+    """`m:ss`, `h:mm:ss`, or `Nd hh:mm` past a day; empty when unknown."""
+    if seconds is None:
+        return ""
+    whole = int(round(seconds))
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}:{minutes:02d}"
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def rate(tokens_per_s: float | None) -> str:
+    """Tokens per second in three significant figures: `950`, `12.3k`, `1.25M`."""
+    if tokens_per_s is None:
+        return ""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.3g}{suffix}"
+    return f"{tokens_per_s:.0f}"
+
+
+def live(status: RunStatus) -> bool:
+    """Whether the progress speaks for the job now running (not a previous submission's last
+    word, nor a finished run whose ETA means nothing)."""
+    p = status.progress
+    return p is not None and status.state == "RUNNING" and p.job_id in ("", status.job_id)
+
+
+def words(status: RunStatus, now: float) -> list[str]:
+    """Progress in words for one line: step, loss, rate and ETA (the last two only while live)."""
+    p = status.progress
+    if p is None:
+        return []
+    shown = [f"step {p.step}/{p.total}" + (f" ({p.percent:.0f}%)" if p.percent is not None else "")]
+    if p.loss is not None:
+        shown.append(f"loss {p.loss:.4f}")
+    if live(status):
+        if p.tokens_per_s is not None:
+            shown.append(f"{rate(p.tokens_per_s)} tok/s")
+        if p.eta_s is not None:
+            shown.append(f"ETA {duration(p.eta_now(now))}")
+    if p.checkpoint_step is not None:
+        shown.append(f"ckpt {p.checkpoint_step}")
+    return shown
+
+
+def line(status: RunStatus, now: float) -> str:
+    """One plain line for a run: `<run>: RUNNING step 40/100 (40%), loss 3.2101, ...`."""
+    head = f"{status.run_id}: {status.state}" + (f" (restarts {status.restarts})" if status.restarts else "")
+    shown = words(status, now)
+    return head + (" " + ", ".join(shown) if shown else "")
+
+
+# --wait displays -----------------------------------------------------------------------------
+class Display(tp.Protocol):
+    def show(self, current: list[RunStatus]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PlainLines:
+    """For a log or a pipe: a line for a run when its state or restarts change or its progress
+    first appears, and otherwise at most every `interval` s while its step moves."""
+
+    def __init__(self, out: tp.TextIO, interval: float = PLAIN_INTERVAL_S) -> None:
+        self.out, self.interval = out, interval
+        self.seen: dict[str, tuple[str, int, bool]] = {}
+        self.last: dict[str, tuple[float, int | None]] = {}
+
+    def show(self, current: list[RunStatus]) -> None:
+        now = time.time()
+        for status in current:
+            key = (status.state, status.restarts, status.progress is not None)
+            step = status.progress.step if status.progress else None
+            printed_at, printed_step = self.last.get(status.run_id, (0.0, None))
+            changed = self.seen.get(status.run_id) != key
+            due = step != printed_step and now - printed_at >= self.interval
+            if changed or due:
+                print(line(status, now), file=self.out, flush=True)
+                self.seen[status.run_id] = key
+                self.last[status.run_id] = (now, step)
+
+    def close(self) -> None:
+        self.out.flush()
+
+
+class Bars:
+    """For a terminal: one tqdm bar per run (step of total, loss, tokens/s, ETA from the run's own
+    estimate), redrawn when its progress or state changes."""
+
+    FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}"
+    WAITING = "{desc}{postfix}"
+
+    def __init__(self, out: tp.TextIO) -> None:
+        self.out = out
+        self.bars: dict[str, tp.Any] = {}
+        self.drawn: dict[str, tuple[tp.Any, ...]] = {}
+
+    def _bar(self, run_id: str) -> tp.Any:
+        from tqdm import tqdm
+
+        if run_id not in self.bars:
+            self.bars[run_id] = tqdm(total=None, position=len(self.bars), file=self.out, leave=True, dynamic_ncols=True, bar_format=self.WAITING, mininterval=0)
+        return self.bars[run_id]
+
+    def show(self, current: list[RunStatus]) -> None:
+        now = time.time()
+        for status in current:
+            bar, p = self._bar(status.run_id), status.progress
+            eta = p.eta_now(now) if p is not None and live(status) else None
+            key = (status.state, status.restarts, p, None if eta is None else int(eta))
+            if self.drawn.get(status.run_id) == key:
+                continue
+            self.drawn[status.run_id] = key
+            head = f"{status.run_id} {status.state}" + (f" (restarts {status.restarts})" if status.restarts else "")
+            bar.set_description_str(head, refresh=False)
+            if p is not None:
+                if bar.total != p.total:
+                    bar.total, bar.bar_format = p.total, self.FORMAT
+                bar.n = p.step
+                bar.set_postfix_str(", ".join(words(status, now)[1:]), refresh=False)
+            bar.refresh()
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+def display(out: tp.TextIO | None = None) -> Display:
+    """Bars when `out` (stderr by default) is a terminal, plain lines otherwise."""
+    out = out or sys.stderr
+    return Bars(out) if out.isatty() else PlainLines(out)
