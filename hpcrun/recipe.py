@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import typing as tp
 from pathlib import Path
 
@@ -93,6 +94,25 @@ class Checkpoint(Frozen):
         return value
 
 
+class Metrics(Frozen):
+    """Per-step metrics (hpcrun.steps): rank 0 writes a batch every `flush_steps` steps or
+    `flush_seconds` seconds, whichever comes first, and at every checkpoint and stop."""
+
+    flush_steps: int = pydantic.Field(default=100, ge=1)
+    flush_seconds: float = pydantic.Field(default=30.0, gt=0)
+    tensorboard: bool = False
+    """Also write TensorBoard event files into the run directory (`pip install hpcrun[tensorboard]`)."""
+    per_rank_interval: int = pydantic.Field(default=1, ge=0)
+    """Every how many steps the spread of step times across ranks is recorded (0: never)."""
+
+    @pydantic.field_validator("tensorboard")
+    @classmethod
+    def _installed(cls, value: bool) -> bool:
+        if value and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("needs the tensorboard package: pip install 'hpcrun[tensorboard]'")
+        return value
+
+
 class Recipe(Frozen):
     """One runnable recipe (a stage or a sweep point is also one)."""
 
@@ -104,6 +124,7 @@ class Recipe(Frozen):
     precision: Precision = "fp32"
     training: Training = Training()
     checkpoint: Checkpoint = Checkpoint()
+    metrics: Metrics = Metrics()
     env: dict[EnvName, Line] = {}
 
 
@@ -118,6 +139,7 @@ class Stage(Frozen):
     precision: Precision | None = None
     training: dict[str, tp.Any] = {}
     checkpoint: dict[str, tp.Any] = {}
+    metrics: dict[str, tp.Any] = {}
 
 
 class Sweep(Frozen):
@@ -139,8 +161,8 @@ class Sweep(Frozen):
         return value
 
 
-SWEEPABLE = ("job", "resources", "strategy", "precision", "training", "checkpoint")
-STAGE_MERGED = ("resources", "training", "checkpoint")
+SWEEPABLE = ("job", "resources", "strategy", "precision", "training", "checkpoint", "metrics")
+STAGE_MERGED = ("resources", "training", "checkpoint", "metrics")
 
 
 class RecipeFile(Frozen):

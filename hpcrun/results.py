@@ -6,7 +6,6 @@ so hundreds of jobs can write at once and readers never see a partial file.
 
 from __future__ import annotations
 
-import os
 import typing as tp
 import uuid
 import warnings
@@ -17,6 +16,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from hpcrun.rundir import atomic_path
+from hpcrun.steps import STEPS, load_steps, resolve_dir
+
+__all__ = ["SCHEMA", "compact", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
 
 if tp.TYPE_CHECKING:
     import pandas as pd
@@ -72,9 +74,12 @@ def _write_atomic(data: pa.Table, path: Path) -> None:
 
 
 def files(results_dir: str | Path) -> list[Path]:
-    """Visible result files: temporary names of writes in progress are not results yet."""
+    """Visible result files: temporary names of writes in progress are not results yet, and the
+    per-step dataset under `steps/` is another table (hpcrun.steps)."""
     directory = Path(results_dir)
-    return sorted(p for p in directory.rglob("*.parquet") if not p.name.startswith(".")) if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob("*.parquet") if not p.name.startswith(".") and p.relative_to(directory).parts[0] != STEPS)
 
 
 class Vanished(Exception):
@@ -113,11 +118,9 @@ def _unique(data: pa.Table) -> pa.Table:
 def load(results_dir: str | Path, **filters: tp.Any) -> pd.DataFrame:
     """All results under `results_dir` (a directory, or a site name: its results directory) as
     a DataFrame with the schema's dtypes. A file that is truncated or not ours is reported
-    (warning) and skipped. `filters` are column=value (or a list of values) equalities."""
-    if not Path(results_dir).is_dir() and isinstance(results_dir, str) and os.sep not in results_dir:
-        from hpcrun.site import load_site
-
-        results_dir = load_site(results_dir).results_dir
+    (warning) and skipped. `filters` are column=value (or a list of values) equalities.
+    Per-step metrics: `load_steps` (hpcrun.steps)."""
+    results_dir = resolve_dir(results_dir)
     for attempt in range(5):
         try:
             data = read(files(results_dir))

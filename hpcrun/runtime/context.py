@@ -23,6 +23,7 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import engine as engines
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
+from hpcrun.runtime.steps import StepRecorder
 from hpcrun.signals import SignalFlag
 
 
@@ -44,6 +45,8 @@ class Context:
         self.stopped: str | None = None
         self.started = dt.datetime.now(dt.timezone.utc)
         self.restored_losses: list[float] = []  # global losses of earlier attempts
+        self.step_metrics: dict[str, float] = {}  # what `log` was given during the current step
+        self.recorder: StepRecorder | None = None
 
     @property
     def nvme_dir(self) -> str | None:
@@ -68,27 +71,39 @@ class Context:
         return self.engine
 
     def steps(self) -> tp.Iterator[int]:
-        """Step numbers from where this run left off. Between steps: periodic checkpoints, and
-        the collective decision to stop on a signal (checkpoint, then leave the loop)."""
+        """Step numbers from where this run left off. Between steps: the step's metrics
+        (hpcrun.runtime.steps), periodic checkpoints, and the collective decision to stop on a
+        signal (checkpoint, then leave the loop)."""
         total, interval = self.recipe.training.steps, self.recipe.checkpoint.interval
-        for step in range(self.start_step, total):
-            self.step = step
-            start = time.perf_counter()
-            yield step
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            done = step + 1
-            self.checkpoints.poll()
-            stop = self._agree_to_stop()
-            # a step's time includes hpcrun's own per-step work; a save's stall is counted apart
-            self.measured.step_times.append(time.perf_counter() - start)
-            if done % interval == 0 or done == total or stop:
-                self.save(done, block=done == total or bool(stop))
-            if stop and done < total:
-                self.stopped = signal.Signals(stop).name
-                self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
-                return
-        self.step = total
+        self.recorder = recorder = StepRecorder(self, total)
+        try:
+            for step in range(self.start_step, total):
+                self.step = step
+                self.step_metrics = {}
+                recorded = len(self.measured.losses)
+                start = time.perf_counter()
+                yield step
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                done = step + 1
+                self.checkpoints.poll()
+                stop, flush = self._agree(recorder.due())
+                saving = done % interval == 0 or done == total or bool(stop)
+                loss = self.measured.losses[-1] if len(self.measured.losses) > recorded else None
+                recorder.record(done, time.perf_counter() - start, loss, self.step_metrics)
+                if flush or saving:  # every checkpointed step is in the steps table before its checkpoint
+                    recorder.flush()
+                # a step's time includes hpcrun's own per-step work and a flush; a save's stall is counted apart
+                self.measured.step_times.append(time.perf_counter() - start)
+                if saving:
+                    self.save(done, block=done == total or bool(stop))
+                if stop and done < total:
+                    self.stopped = signal.Signals(stop).name
+                    self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
+                    return
+            self.step = total
+        finally:
+            recorder.close()
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks
@@ -104,19 +119,24 @@ class Context:
         state = {"step": step, "losses": self.global_losses()}
         self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
 
-    def _agree_to_stop(self) -> int:
-        """Every rank learns whether any rank was signalled (a tiny all-reduce per step)."""
-        local = torch.tensor([self.flag.signum or 0], dtype=torch.int64, device=self.device)
+    def _agree(self, flush: bool) -> tuple[int, bool]:
+        """Every rank learns whether any rank was signalled, and whether any rank wants the
+        metrics flushed now (one tiny all-reduce per step)."""
+        local = torch.tensor([self.flag.signum or 0, int(flush)], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        return int(local.item())
+        signum, due = local.tolist()
+        return int(signum), bool(due)
 
     def record_loss(self, loss: float) -> None:
         self.measured.losses.append(loss)
 
     def log(self, **metrics: float) -> None:
-        """User metrics: kept in the results row's `extra` map."""
-        self.measured.extra.update({k: float(v) for k, v in metrics.items()})
+        """User metrics: the step's row in the steps table (`extra`), and the results row's
+        `extra` map (the last value of each)."""
+        values = {k: float(v) for k, v in metrics.items()}
+        self.step_metrics.update(values)
+        self.measured.extra.update(values)
 
     def info(self, message: str) -> None:
         if self.env.is_main or os.environ.get("HPCRUN_LOG_ALL_RANKS"):

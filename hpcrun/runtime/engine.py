@@ -49,6 +49,7 @@ class TorchEngine:
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
         self.accum = recipe.training.grad_accum
         self._stager: AsyncStager | None = None
+        self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
@@ -65,11 +66,11 @@ class TorchEngine:
         clip = self.recipe.training.grad_clip
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if clip:
+        if clip:  # the norm before clipping, kept (a tensor: no sync here) for the steps table
             if hasattr(self.model, "clip_grad_norm_"):  # FSDP: the norm spans every shard
-                tp.cast(tp.Any, self.model).clip_grad_norm_(clip)
+                self.grad_norm = tp.cast(tp.Any, self.model).clip_grad_norm_(clip)
             else:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -142,6 +143,12 @@ class DeepSpeedEngine:
 
     def optimizer_step(self) -> None:
         """Done inside `micro_step` by the engine itself."""
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step, as DeepSpeed computed it."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag="state")

@@ -1,0 +1,197 @@
+"""Recording per-step metrics inside the job: every rank keeps its own step times and losses in
+memory; at a flush (every `metrics.flush_steps` steps or `flush_seconds` seconds, and at every
+checkpoint and stop, a decision all ranks share) one small all_gather brings the batch's times
+and losses to rank 0, which hands the rows to a background thread. That thread writes them as one
+Parquet file (hpcrun.steps), rewrites progress.json and, when asked, TensorBoard events, so a
+slow shared filesystem never stalls a step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as dt
+import math
+import queue
+import sys
+import threading
+import time
+import typing as tp
+
+import torch
+import torch.distributed as dist
+
+from hpcrun import steps as dataset
+from hpcrun.rundir import RunDir, read_json, write_json
+from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime.metrics import peak_memory_bytes
+
+if tp.TYPE_CHECKING:
+    from hpcrun.runtime.context import Context
+
+
+class Pending(tp.NamedTuple):
+    """What one rank knows of one step until the next flush."""
+
+    step: int
+    ended: float  # unix time
+    seconds: float
+    loss: float | None
+    lr: float | None
+    grad_norm: tp.Any  # a tensor (not synced until the flush), a float, or None
+    memory: int | None
+    extra: dict[str, float]
+
+
+class Writer:
+    """Rank 0's background thread for files: jobs run in order; a failing write is reported on
+    stderr and training goes on (metrics are never worth a lost run)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[tp.Callable[[], None] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="hpcrun-steps", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: tp.Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - reported, never fatal to training
+                print(f"[hpcrun] per-step metrics not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+class StepRecorder:
+    """One attempt's per-step metrics: `record` each step (cheap, local), `flush` when `due`
+    (collective), `close` at the end of the attempt."""
+
+    def __init__(self, ctx: Context, total: int) -> None:
+        self.ctx, self.total = ctx, total
+        spec, training = ctx.spec, ctx.recipe.training
+        self.config = ctx.recipe.metrics
+        self.pending: list[Pending] = []
+        self.last_flush = time.monotonic()
+        self.seq = 0
+        self.closed = False
+        samples = ctx.world_size * training.micro_batch * training.grad_accum
+        self.tokens_per_step = samples * training.seq_len if spec.size else None
+        self.ids = {
+            "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
+            "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "restart_count": ctx.env.restart_count,
+        }
+        self.writer: Writer | None = None
+        self.board: tp.Any = None
+        if ctx.env.is_main:
+            self.writer = Writer()
+            if self.config.tensorboard:
+                from hpcrun.runtime.tensorboard import Board
+
+                self.board = Board(RunDir(spec.run_dir).tensorboard, ctx.start_step)
+            atexit.register(self.close)  # a job that raised out of its loop still writes what it has
+            start = ctx.start_step
+            self.writer.submit(lambda: self._progress(start, None, []))
+
+    def due(self) -> bool:
+        """Whether this rank would flush after the step now ending (all ranks then agree)."""
+        return len(self.pending) + 1 >= self.config.flush_steps or time.monotonic() - self.last_flush >= self.config.flush_seconds
+
+    def record(self, step: int, seconds: float, loss: float | None, extra: dict[str, float]) -> None:
+        engine = self.ctx.engine
+        groups = getattr(getattr(engine, "optimizer", None), "param_groups", None)
+        lr = float(groups[0]["lr"]) if groups else None
+        memory = peak_memory_bytes(self.ctx.device) if self.ctx.env.is_main else None
+        self.pending.append(Pending(step, time.time(), seconds, loss, lr, getattr(engine, "grad_norm", None), memory, extra))
+
+    def flush(self, collective: bool = True) -> None:
+        """Rank 0 hands the pending steps' rows to its writer. Collective: every rank calls it at
+        the same step (one all_gather of the batch's step times and losses)."""
+        batch, self.pending = self.pending, []
+        self.last_flush = time.monotonic()
+        if not batch:
+            return
+        every = self.config.per_rank_interval
+        sampled = [i for i, p in enumerate(batch) if every and p.step % every == 0]
+        local = [batch[i].seconds for i in sampled] + [math.nan if p.loss is None else p.loss for p in batch]
+        world = self.ctx.world_size
+        if collective:
+            gathered = self._gather(local)
+        else:  # a rank alone (leaving on an error): its own times and losses only
+            gathered = torch.tensor([local], dtype=torch.float64)
+            sampled = []
+        if self.writer is None:
+            return
+        times, losses = gathered[:, : len(sampled)], gathered[:, len(sampled):]
+        spread = {}
+        for column, i in enumerate(sampled):
+            per_rank = times[:, column]
+            spread[i] = (float(per_rank.min()), float(per_rank.quantile(0.5)), float(per_rank.max()), int(per_rank.argmax()))
+        mean_loss = losses.sum(0) / world if collective else (losses[0] if world == 1 else torch.full((len(batch),), math.nan))
+        rows = []
+        for i, p in enumerate(batch):
+            low, median, high, slowest = spread.get(i, (None, None, None, None))
+            loss = float(mean_loss[i])
+            rows.append({
+                **self.ids, "step": p.step, "time": dt.datetime.fromtimestamp(p.ended, dt.timezone.utc),
+                "loss": None if math.isnan(loss) else loss, "lr": p.lr,
+                "grad_norm": None if p.grad_norm is None else float(p.grad_norm),
+                "step_time_s": p.seconds, "step_time_min_s": low, "step_time_median_s": median, "step_time_max_s": high,
+                "slowest_rank": slowest, "tokens_per_s": self.tokens_per_step / p.seconds if self.tokens_per_step and p.seconds else None,
+                "memory_bytes": p.memory, "extra": dict(p.extra),
+            })
+        seq, self.seq = self.seq, self.seq + 1
+        self.writer.submit(lambda: self._write(rows, seq))
+
+    def close(self) -> None:
+        """End of the attempt: rank 0 writes what is left (alone), its last progress, and waits
+        for its writer."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.pending:
+            self.flush(collective=False)
+        if self.writer is not None:
+            self.writer.submit(lambda: self._progress(None, None, []))
+            self.writer.close()
+            if self.board is not None:
+                self.board.close()
+
+    def _gather(self, local: list[float]) -> torch.Tensor:
+        """(world, n): every rank's `local`, on the CPU."""
+        mine = torch.tensor(local, dtype=torch.float64, device=self.ctx.device)
+        if not (dist.is_initialized() and self.ctx.world_size > 1):
+            return mine.unsqueeze(0).cpu()
+        out = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+        dist.all_gather(out, mine)
+        return torch.stack(out).cpu()
+
+    # rank 0's writer thread --------------------------------------------------------------
+    def _write(self, rows: list[dict[str, tp.Any]], seq: int) -> None:
+        dataset.write_batch(self.ctx.spec.results_dir, rows, seq)
+        if self.board is not None:
+            self.board.write(rows)
+        self._progress(rows[-1]["step"], rows[-1]["loss"], rows)
+
+    def _progress(self, step: int | None, loss: float | None, rows: list[dict[str, tp.Any]]) -> None:
+        """progress.json: the newest written step, its rate and the time left at that rate."""
+        path = RunDir(self.ctx.spec.run_dir).progress
+        if step is None:  # the attempt's end: the last batch's figures, freshly stamped
+            last = read_json(path, {}) or {}
+            step, loss = last.get("step", self.ctx.start_step), last.get("loss")
+            rate, seconds = last.get("tokens_per_s"), last.get("step_time_s")
+        else:
+            times = sorted(r["step_time_s"] for r in rows)
+            seconds = times[len(times) // 2] if times else None
+            rate = self.tokens_per_step / seconds if self.tokens_per_step and seconds else None
+        found = ckpt.latest(self.ctx.checkpoints.root)
+        write_json(path, {
+            "step": step, "total": self.total, "loss": loss, "tokens_per_s": rate, "step_time_s": seconds,
+            "eta_s": (self.total - step) * seconds if seconds is not None else None, "updated": time.time(),
+            "job_id": self.ids["job_id"], "restart_count": self.ids["restart_count"],
+            "checkpoint_step": found[0] if found else None,
+        })
