@@ -7,6 +7,7 @@ Login side only: imports neither torch nor the runtime that writes the file."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 import typing as tp
@@ -18,6 +19,7 @@ if tp.TYPE_CHECKING:
     from hpcrun.status import RunStatus
 
 PLAIN_INTERVAL_S = 30.0  # a log or CI page wants a line now and then, not one per poll
+FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +190,8 @@ class Bars:
         from tqdm import tqdm
 
         if run_id not in self.bars:
-            self.bars[run_id] = tqdm(total=None, position=len(self.bars), file=self.out, leave=True, dynamic_ncols=True, bar_format=self.WAITING, mininterval=0)
+            size: dict[str, tp.Any] = {"dynamic_ncols": True} if _sized(self.out) else {"ncols": FALLBACK_COLUMNS, "nrows": FALLBACK_ROWS}
+            self.bars[run_id] = tqdm(total=None, position=len(self.bars), file=self.out, leave=True, bar_format=self.WAITING, mininterval=0, **size)
         return self.bars[run_id]
 
     def show(self, current: list[RunStatus]) -> None:
@@ -212,6 +215,16 @@ class Bars:
     def close(self) -> None:
         for bar in self.bars.values():
             bar.close()
+
+
+def _sized(out: tp.TextIO) -> bool:
+    """Whether the terminal says its size. A pseudo-terminal nobody sized says 0 x 0, and tqdm
+    then hides every bar (0 columns wide, past the last of 0 rows)."""
+    try:
+        size = os.get_terminal_size(out.fileno())
+    except (OSError, ValueError):
+        return False
+    return size.columns > 0 and size.lines > 0
 
 
 def display(out: tp.TextIO | None = None) -> Display:
