@@ -43,7 +43,7 @@ def baseline(shared: Path) -> str:
 def records(job: str) -> list[str]:
     """sacct's records of a job, one per start (requeues add records with -D)."""
     out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
-    return [l.split()[0] for l in out.stdout.split()] if out.stdout.strip() else []
+    return [line.split()[0] for line in out.stdout.split()] if out.stdout.strip() else []
 
 
 def wait_done(run_dir: Path, timeout: float = 420) -> dict[str, tp.Any]:

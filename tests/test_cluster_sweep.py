@@ -63,7 +63,7 @@ def test_two_stages_hand_weights_from_ddp_to_fsdp(tmp_path: Path) -> None:
         "stages": [{"name": "warmup", "strategy": {"name": "ddp"}}, {"name": "main", "strategy": {"name": "fsdp"}}],
     }))
     out = hpcrun("submit", "--site", str(site), str(recipe)).stdout
-    run_dirs = [Path(l.split("run dir:")[1].strip()) for l in out.splitlines() if "run dir:" in l]
+    run_dirs = [Path(line.split("run dir:")[1].strip()) for line in out.splitlines() if "run dir:" in line]
     assert [d.name.split(".")[-1] for d in run_dirs] == ["warmup", "main"]
     first_job, second_job = (json.loads((d / "jobs.json").read_text())[0]["job_id"] for d in run_dirs)
     # asked right after submission: the first stage is still starting Python (tens of seconds of

@@ -1,5 +1,5 @@
 """Parquet results: schema round trip, many concurrent writers, compaction during writes, bad
-files, and the comparison/check/report commands."""
+files, and the comparison and check commands (the report: tests/test_report.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_schema_round_trip(tmp_path: Path) -> None:
     df = load(tmp_path)
     assert len(df) == 1
     got = df.iloc[0]
-    for name, kind in COLUMNS.items():
+    for name in COLUMNS:
         assert got[name] == full[name], name
     assert dict(got["extra"]) == {"user_metric": 3.5}
     assert str(df["nodes"].dtype) == "Int64" and str(df["mfu"].dtype) == "Float64"
@@ -151,20 +151,3 @@ def test_check_against_baseline(tmp_path: Path) -> None:
     assert out.exit_code == 1 and "REGRESSION strategy=ddp: tokens_per_s 1000" in out.output
     out = cli("results", "check", "--dir", str(tmp_path), "--baseline", str(wrong))
     assert out.exit_code == 2 and f"{wrong}: references.0.tolerence: unknown key" in out.output
-
-
-@pytest.mark.slow
-def test_report_from_real_runs(tmp_path: Path) -> None:
-    from tests.runs import hpcrun, recipe, site_copy
-
-    site = site_copy(tmp_path)
-    for strategy in ({"name": "ddp"}, {"name": "fsdp"}):
-        hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, strategy["name"], strategy=strategy, training={"steps": 5})))
-    out = hpcrun("report", "--site", str(site), "--out", str(tmp_path / "report"))
-    made = [Path(p) for p in out.stdout.split()]
-    assert {p.name for p in made} == {"throughput.png", "mfu.png", "memory.png", "index.html"}
-    for png in made[:3]:
-        data = png.read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    page = (tmp_path / "report" / "index.html").read_text()
-    assert 'src="throughput.png"' in page and "fsdp" in page and "ddp" in page

@@ -99,9 +99,8 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
     import sys
     import time
 
-    from tests.helpers import ROOT
-
     from tests.delayed_training import entrypoint_job
+    from tests.helpers import ROOT
 
     site = site_copy(tmp_path)
     # >= 10 s of training on any CPU (a 0.25 s pause per step): >= 8 s left after the first checkpoint
