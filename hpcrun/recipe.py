@@ -113,6 +113,23 @@ class Metrics(Frozen):
         return value
 
 
+class Fault(Frozen):
+    """How an attempt that fails without a polite signal is noticed, named and routed around."""
+
+    collective_timeout_s: int = pydantic.Field(default=300, ge=10)
+    """How long a collective may wait for a peer before the attempt fails (a dead peer must end
+    the job, not hold the allocation); PyTorch's own default is 600 s."""
+    hang_timeout_s: int | None = pydantic.Field(default=None, ge=10)
+    """A rank that makes no step progress this long is hung: stacks are dumped and the attempt
+    ends. None: derived from the first steps' measured step time (at least 300 s)."""
+    exclude_failed_nodes: bool = True
+    """A requeued job avoids nodes that failed during this run, while the partition has enough."""
+    straggler_factor: float = pydantic.Field(default=1.5, gt=1.0)
+    """A rank persistently slower than this times the median step time is named a straggler."""
+    exclude_slow_nodes: bool = False
+    """Also avoid a straggler's node on the next requeue."""
+
+
 class Recipe(Frozen):
     """One runnable recipe (a stage or a sweep point is also one)."""
 
@@ -125,6 +142,7 @@ class Recipe(Frozen):
     training: Training = Training()
     checkpoint: Checkpoint = Checkpoint()
     metrics: Metrics = Metrics()
+    fault: Fault = Fault()
     env: dict[EnvName, Line] = {}
 
 
@@ -140,6 +158,7 @@ class Stage(Frozen):
     training: dict[str, tp.Any] = {}
     checkpoint: dict[str, tp.Any] = {}
     metrics: dict[str, tp.Any] = {}
+    fault: dict[str, tp.Any] = {}
 
 
 class Sweep(Frozen):
@@ -161,8 +180,8 @@ class Sweep(Frozen):
         return value
 
 
-SWEEPABLE = ("job", "resources", "strategy", "precision", "training", "checkpoint", "metrics")
-STAGE_MERGED = ("resources", "training", "checkpoint", "metrics")
+SWEEPABLE = ("job", "resources", "strategy", "precision", "training", "checkpoint", "metrics", "fault")
+STAGE_MERGED = ("resources", "training", "checkpoint", "metrics", "fault")
 
 
 class RecipeFile(Frozen):

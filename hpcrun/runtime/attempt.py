@@ -28,7 +28,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     env = from_scheduler()
     FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
-        init_process_group(env)
+        init_process_group(env, spec.recipe.fault.collective_timeout_s)
     ctx = Context(spec, env, FLAG)
     status, reason = "completed", None
     try:

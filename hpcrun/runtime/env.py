@@ -9,8 +9,6 @@ import os
 import torch
 import torch.distributed as dist
 
-# A dead peer must end the job, not hang it until the time limit.
-COLLECTIVE_TIMEOUT = dt.timedelta(seconds=int(os.environ.get("HPCRUN_COLLECTIVE_TIMEOUT_S", "600")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +83,11 @@ def cpu_threads(local_ranks: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
 
 
-def init_process_group(env: DistEnv) -> None:
+def init_process_group(env: DistEnv, timeout_s: int) -> None:
+    """Join the job's process group. `timeout_s` (the recipe's fault.collective_timeout_s) bounds
+    every collective: a dead peer must end the job, not hold the allocation until its limit."""
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=COLLECTIVE_TIMEOUT,
+            backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=dt.timedelta(seconds=timeout_s),
             device_id=env.device if env.backend == "nccl" else None,
         )
