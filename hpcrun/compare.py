@@ -87,3 +87,75 @@ def check(df: pd.DataFrame, baseline: Baseline, path: Path) -> list[tuple[str, b
         word = "ok  " if ok else "REGRESSION"
         results.append((f"{word} {label}: {ref.metric} {got:.4g} vs reference {ref.value:.4g} (limit {limit:.4g})", ok))
     return results
+
+
+# "Do the strategies agree?" ---------------------------------------------------------------
+# Runs of the same model, seed, global batch and sequence length train the same mathematical
+# model whatever the strategy: DDP, FSDP and ZeRO only change where the numbers live. Their loss
+# curves should therefore match to within floating-point reassociation (a different reduction
+# order in all-reduce versus reduce-scatter). Measured on the tiny model in fp32 on CPU (gloo)
+# the strategies differ by about 1e-6 relative; a real divergence (a wrong gradient scale, a
+# missed shard, a different data order) is percent-sized within a few steps. 1e-3 relative sits
+# between the two with room on both sides; bf16/fp16 runs need a looser --tolerance (~1e-2).
+AGREE_KEYS = ["model", "seed", "global_batch", "seq_len"]
+AGREE_TOLERANCE = 1e-3
+
+
+def strategy_label(df: pd.DataFrame) -> pd.Series:
+    """One readable name per row's strategy setting: `ddp`, `fsdp`, `zero2`, `zero3+cpu`."""
+    import pandas as pd
+
+    def one(row: pd.Series) -> str:
+        name = str(row.get("strategy"))
+        stage = row.get("zero_stage")
+        if name == "deepspeed" and not pd.isna(stage):
+            name = f"zero{int(stage)}"
+        offload = {str(row.get(k)) for k in ("offload_optimizer", "offload_param")} - {"none", "None", "<NA>", "nan"}
+        return name + "".join(f"+{o}" for o in sorted(offload))
+
+    return df.apply(one, axis=1).astype("string") if len(df) else pd.Series([], dtype="string")
+
+
+def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGREE_TOLERANCE) -> pd.DataFrame:
+    """For each group of completed runs that trained the same model (AGREE_KEYS present in
+    `summary`) with at least two strategies: the largest loss difference between any two of
+    its runs over the steps all of them logged, absolute and relative (to the larger |loss|),
+    the step and strategies where it occurs, and `agree` (relative difference <= tolerance).
+    A group without common steps is listed with `agree` missing: nothing to compare is not a
+    pass."""
+    import pandas as pd
+
+    columns = [*AGREE_KEYS, "strategies", "runs", "common_steps", "max_abs_diff", "max_rel_diff", "worst_step", "worst_pair", "tolerance", "agree"]
+    keys = [k for k in AGREE_KEYS if k in summary.columns]
+    done = summary[summary["status"] == "completed"].copy()
+    if done.empty or steps.empty:
+        return pd.DataFrame(columns=columns)
+    done["label"] = strategy_label(done)
+    runs = done.drop_duplicates("run_id").set_index("run_id")
+    curves = steps[steps["run_id"].isin(runs.index)].dropna(subset=["loss"])
+    curves = curves.sort_values(["run_id", "step", "restart_count"]).drop_duplicates(["run_id", "step"], keep="last")
+    table = curves.pivot(index="step", columns="run_id", values="loss").astype(float)
+    out = []
+    for key, group in runs.groupby(keys, dropna=False):
+        members = [r for r in group.index if r in table.columns]
+        labels = sorted(set(group.loc[members, "label"]))
+        if len(labels) < 2:
+            continue
+        common = table[members].dropna()
+        row: dict[str, tp.Any] = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        row.update(strategies=", ".join(labels), runs=len(members), common_steps=len(common), tolerance=tolerance)
+        if common.empty:
+            out.append({**row, "agree": None})
+            continue
+        values = common.to_numpy()
+        high, low = values.argmax(axis=1), values.argmin(axis=1)
+        spread = values.max(axis=1) - values.min(axis=1)
+        scale = abs(values).max(axis=1)
+        relative = [s / m if m else 0.0 for s, m in zip(spread, scale)]
+        worst = max(range(len(relative)), key=lambda i: relative[i])
+        pair = sorted({group.loc[members[high[worst]], "label"], group.loc[members[low[worst]], "label"]})
+        out.append({
+            **row, "max_abs_diff": float(spread.max()), "max_rel_diff": float(relative[worst]),
+            "worst_step": int(common.index[worst]), "worst_pair": " vs ".join(pair), "agree": relative[worst] <= tolerance,
+        })
+    return pd.DataFrame(out, columns=columns)

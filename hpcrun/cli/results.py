@@ -46,12 +46,21 @@ def _emit(df: tp.Any, fmt: str) -> None:
         click.echo(tabulate(table, headers="keys", tablefmt="github" if fmt == "markdown" else "simple", showindex=False, floatfmt=".4g"))
 
 
+tolerance_option = click.option(
+    "--tolerance", type=click.FloatRange(min=0), default=None,
+    help="Relative loss difference above which strategies disagree (default 1e-3: fp32; use ~1e-2 for bf16/fp16).",
+)
+
+
 @click.group(invoke_without_command=True)
 @with_options(results_options)
-@click.option("--compare", "compare_keys", default=None, help="Pivot by these columns, e.g. strategy,nodes.")
+@click.option("--compare", "compare_keys", default=None, help="Pivot by these columns, e.g. strategy,nodes; with the table formats also whether the strategies' losses agree.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True)
+@tolerance_option
 @click.pass_context
-def results(ctx: click.Context, site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, compare_keys: str | None, fmt: str) -> None:
+def results(
+    ctx: click.Context, site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, compare_keys: str | None, fmt: str, tolerance: float | None
+) -> None:
     """Runs' measurements from the Parquet tables; `--compare strategy,nodes` for a comparison."""
     if ctx.invoked_subcommand is not None:
         return
@@ -60,6 +69,14 @@ def results(ctx: click.Context, site_name: str, results_dir: Path | None, sweep:
         from hpcrun.compare import compare
 
         _emit(compare(df, [k.strip() for k in compare_keys.split(",") if k.strip()]), fmt)
+        if fmt in ("table", "markdown"):  # csv and json stay one machine-readable table
+            from hpcrun.compare import AGREE_TOLERANCE
+            from hpcrun.site import load_site
+
+            lines = _agreement_lines(df, _steps_frame(results_dir or load_site(site_name).results_dir, df), AGREE_TOLERANCE if tolerance is None else tolerance)
+            if lines:
+                click.echo("\ndo the strategies agree? (same model, seed, global batch; loss over common steps)")
+                click.echo("\n".join(lines))
         return
     columns = ["run_id", "status", "strategy", "zero_stage", "nodes", "world_size", "model", "tokens_per_s_per_gpu", "mfu", "step_time_p50_s", "peak_memory_bytes", "final_loss", "restart_count"]
     _emit(df[columns] if fmt in ("table", "markdown") else df, fmt)
@@ -92,18 +109,53 @@ def results_check(site_name: str, results_dir: Path | None, sweep: str | None, s
         raise SystemExit(1)
 
 
+def _steps_frame(directory: Path, df: tp.Any) -> tp.Any:
+    """Per-step rows of the runs in `df` (hpcrun.steps), bad files reported and skipped."""
+    import warnings
+
+    from hpcrun.steps import load_steps
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = load_steps(directory, run_id=sorted(set(df["run_id"].dropna())))
+    for warning in caught:
+        click.echo(f"warning: {warning.message}", err=True)
+    return steps
+
+
+def _agreement_lines(df: tp.Any, steps: tp.Any, tolerance: float) -> list[str]:
+    from hpcrun.compare import agreement
+    from hpcrun.report.units import missing
+
+    lines = []
+    for row in agreement(df, steps, tolerance).itertuples():
+        what = f"model={row.model} seed={row.seed} global_batch={row.global_batch} seq_len={row.seq_len}: {row.strategies}"
+        if missing(row.agree):
+            lines.append(f"NO COMMON STEPS {what}")
+        else:
+            word = "agree   " if row.agree else "DISAGREE"
+            where = f"{row.worst_pair} at step {row.worst_step} over {row.common_steps} common steps"
+            lines.append(f"{word} {what}: largest loss difference {row.max_abs_diff:.3g} ({row.max_rel_diff:.2e} relative, tolerance {tolerance:g}), {where}")
+    return lines
+
+
 @click.command()
 @with_options(results_options)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("hpcrun-report"), show_default=True)
-def report(site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, out: Path) -> None:
-    """Draw throughput and MFU against nodes and peak memory per strategy (PNG + HTML)."""
-    from hpcrun.report import report as draw
+@click.option("--title", default="hpcrun report", show_default=True)
+@tolerance_option
+def report(site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, out: Path, title: str, tolerance: float | None) -> None:
+    """One self-contained HTML page (OUT/index.html): scaling, throughput, MFU, memory, loss
+    curves, step-time spread, whether the strategies agree, and provenance."""
+    from hpcrun.compare import AGREE_TOLERANCE
+    from hpcrun.report import report as write
+    from hpcrun.site import load_site
 
     df = _results_frame(site_name, results_dir, {"sweep_id": sweep, "strategy": strategy}, since)
     if not (df["status"] == "completed").any():
         raise HpcrunError("no completed runs to draw", field="--dir" if results_dir else "--site")
-    for path in draw(df, out):
-        click.echo(str(path))
+    steps = _steps_frame(results_dir or load_site(site_name).results_dir, df)
+    click.echo(str(write(df, steps, out, title, AGREE_TOLERANCE if tolerance is None else tolerance)))
 
 
 COMMANDS = [results, report]
