@@ -149,26 +149,32 @@ class Display(tp.Protocol):
 
 
 class PlainLines:
-    """For a log or a pipe: a line for a run when its state or restarts change or its progress
-    first appears, and otherwise at most every `interval` s while its step moves."""
+    """For a log or a pipe: a line for a run when its state or restarts change, when its
+    progress first appears and first moves (people want to see it start training), and then at
+    most every `interval` s while its step moves."""
 
     def __init__(self, out: tp.TextIO, interval: float = PLAIN_INTERVAL_S) -> None:
         self.out, self.interval = out, interval
-        self.seen: dict[str, tuple[str, int, bool]] = {}
-        self.last: dict[str, tuple[float, int | None]] = {}
+        self.seen: dict[str, tuple[str, int]] = {}
+        self.printed: dict[str, tuple[float, int | None]] = {}  # when, at which step
+        self.first: dict[str, int] = {}  # the step its progress started from
+        self.moved: set[str] = set()  # runs already shown past that step
 
     def show(self, current: list[RunStatus]) -> None:
         now = time.time()
         for status in current:
-            key = (status.state, status.restarts, status.progress is not None)
-            step = status.progress.step if status.progress else None
-            printed_at, printed_step = self.last.get(status.run_id, (0.0, None))
-            changed = self.seen.get(status.run_id) != key
-            due = step != printed_step and now - printed_at >= self.interval
+            run, step = status.run_id, (status.progress.step if status.progress else None)
+            if step is not None:
+                self.first.setdefault(run, step)
+            printed_at, printed_step = self.printed.get(run, (0.0, None))
+            changed = self.seen.get(run) != (status.state, status.restarts)
+            due = step != printed_step and (run not in self.moved or now - printed_at >= self.interval)
             if changed or due:
                 print(line(status, now), file=self.out, flush=True)
-                self.seen[status.run_id] = key
-                self.last[status.run_id] = (now, step)
+                self.seen[run] = (status.state, status.restarts)
+                self.printed[run] = (now, step)
+                if step is not None and step != self.first[run]:
+                    self.moved.add(run)
 
     def close(self) -> None:
         self.out.flush()

@@ -27,8 +27,9 @@ from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT, cli
 from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
 
-# `STEP % TOK/S ETA` of a status line that shows a live run: `12/60   20  1.05k     0:14`
-LIVE = re.compile(r" (?P<step>\d+)/(?P<total>\d+) +(?P<percent>\d+) +(?P<rate>[\d.]+[kMG]?) +(?P<eta>\d+:\d\d(?::\d\d)?)\b")
+# `STEP % TOK/S ETA` of a status line that shows a live run: `12/60   20  1.05k     0:14`. TOK/S
+# is empty for a user's entrypoint job (hpcrun does not know its tokens per step).
+LIVE = re.compile(r" (?P<step>\d+)/(?P<total>\d+) +(?P<percent>\d+) +(?:(?P<rate>[\d.]+[kMG]?) +)?(?P<eta>\d+:\d\d(?::\d\d)?)\b")
 TRAINING = {"lr": 0.003, "micro_batch": 2, "seq_len": 32}
 
 
@@ -114,15 +115,17 @@ def test_plain_lines_come_on_changes_and_at_an_interval() -> None:
 
     poll("PENDING", None)
     poll("RUNNING", None)
-    for step in range(1, 11):  # ten polls in well under the interval: the first progress only
+    for step in range(0, 11):  # eleven polls in well under the interval: the start and first move only
         poll("RUNNING", step)
     time.sleep(0.35)
     poll("RUNNING", 11)  # the interval passed and the step moved
-    poll("RUNNING", 12)
+    time.sleep(0.35)
+    poll("RUNNING", 11)  # the interval passed, the step did not move
     poll("COMPLETED", 50)
     assert out.getvalue().splitlines() == [
         "r: PENDING",
         "r: RUNNING",
+        "r: RUNNING step 0/50 (0%), 900 tok/s, ETA 0:05",
         "r: RUNNING step 1/50 (2%), 900 tok/s, ETA 0:05",
         "r: RUNNING step 11/50 (22%), 900 tok/s, ETA 0:05",
         "r: COMPLETED step 50/50 (100%)",
@@ -205,7 +208,7 @@ def test_wait_on_a_terminal_draws_a_bar_that_advances(tmp_path: Path) -> None:
     assert code == 0, drawn
     steps = {int(m[1]) for m in re.finditer(r"%\|[^|]*\| (\d+)/20, loss \d", drawn)}  # a tqdm bar: `40%|████   | 8/20, loss ...`
     assert len(steps & set(range(1, 20))) >= 2 and 20 in steps, (steps, drawn[-2000:])
-    assert re.search(r"\| \d+/20, loss [\d.]+, [\d.]+k? tok/s, ETA \d+:\d\d", drawn), drawn[-2000:]
+    assert re.search(r"\| \d+/20, loss [\d.]+, ETA \d+:\d\d", drawn), drawn[-2000:]  # no tok/s: a user's job
 
 
 @pytest.mark.slow
@@ -214,7 +217,7 @@ def test_wait_without_a_terminal_prints_plain_lines(tmp_path: Path) -> None:
     out = hpcrun("submit", "--site", str(site), "--wait", str(delayed(tmp_path, "plain", 20, 0.4)))
     lines = out.stderr.splitlines()
     assert "\r" not in out.stderr and "%|" not in out.stderr, out.stderr
-    assert any(re.search(r": RUNNING step \d+/20 \(\d+%\), loss [\d.]+, [\d.]+k? tok/s, ETA \d+:\d\d", text) for text in lines), out.stderr
+    assert any(re.search(r": RUNNING step \d+/20 \(\d+%\), loss [\d.]+, ETA \d+:\d\d", text) for text in lines), out.stderr
     assert any(re.search(r": COMPLETED step 20/20 \(100%\), loss [\d.]+", text) for text in lines), out.stderr
     assert len(lines) <= 6, out.stderr  # changes and the 30 s interval, not a line per poll
     assert state(run_dir_of(out))["status"] == "completed"
