@@ -79,6 +79,7 @@ class StepRecorder:
         self.last_flush = time.monotonic()
         self.seq = 0
         self.closed = False
+        self.spent_s = 0.0  # the training thread's time in `record` and `flush`: this feature's cost
         samples = ctx.world_size * training.micro_batch * training.grad_accum
         self.tokens_per_step = samples * training.seq_len if spec.size else None
         self.ids = {
@@ -102,15 +103,24 @@ class StepRecorder:
         return len(self.pending) + 1 >= self.config.flush_steps or time.monotonic() - self.last_flush >= self.config.flush_seconds
 
     def record(self, step: int, seconds: float, loss: float | None, extra: dict[str, float]) -> None:
+        began = time.perf_counter()
         engine = self.ctx.engine
         groups = getattr(getattr(engine, "optimizer", None), "param_groups", None)
         lr = float(groups[0]["lr"]) if groups else None
         memory = peak_memory_bytes(self.ctx.device) if self.ctx.env.is_main else None
         self.pending.append(Pending(step, time.time(), seconds, loss, lr, getattr(engine, "grad_norm", None), memory, extra))
+        self.spent_s += time.perf_counter() - began
 
     def flush(self, collective: bool = True) -> None:
         """Rank 0 hands the pending steps' rows to its writer. Collective: every rank calls it at
         the same step (one all_gather of the batch's step times and losses)."""
+        began = time.perf_counter()
+        try:
+            self._flush(collective)
+        finally:
+            self.spent_s += time.perf_counter() - began
+
+    def _flush(self, collective: bool) -> None:
         batch, self.pending = self.pending, []
         self.last_flush = time.monotonic()
         if not batch:
@@ -155,6 +165,10 @@ class StepRecorder:
         self.closed = True
         if self.pending:
             self.flush(collective=False)
+        step_s = sum(self.ctx.measured.step_times)
+        if step_s:
+            share = f" ({100 * self.spent_s / step_s:.3f}% of step time)"
+            self.ctx.info(f"per-step metrics: {self.spent_s * 1e3:.1f} ms on the training thread over {len(self.ctx.measured.step_times)} steps{share}")
         if self.writer is not None:
             self.writer.submit(lambda: self._progress(None, None, []))
             self.writer.close()
