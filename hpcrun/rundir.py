@@ -32,6 +32,7 @@ DEEPSPEED_CONFIG = "deepspeed-config.json"
 CONTROLLER_LOG = "controller.log"
 PROGRESS = "progress.json"
 TENSORBOARD = "tensorboard"
+EXITS = "exits"
 LEDGER = "ledger.json"
 SWEEPS = "sweeps"
 
@@ -171,6 +172,14 @@ class RunDir:
     def losses(self, job_id: str, restart: int) -> Path:
         """One attempt's global losses, one per line (what exact-resume tests compare)."""
         return self.path / f"losses-{job_id}-{restart}.txt"
+
+    def exit_record(self, job_id: str, restart: int, rank: int) -> Path:
+        """What a failing rank knew as it failed (error, step, node, its row so far): read once,
+        after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""
+        return self.path / EXITS / f"{job_id}-{restart}-rank{rank}.json"
+
+    def exit_records(self, job_id: str, restart: int) -> list[Path]:
+        return sorted((self.path / EXITS).glob(f"{job_id}-{restart}-rank*.json"))
 
     def log(self, job_id: str, rank: int, stream: str, folder: str | Path | None = None) -> Path:
         """A rank's log of a job (an array's logs sit in its sweep's log folder)."""

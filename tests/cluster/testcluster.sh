@@ -57,11 +57,13 @@ network_up() {
   done
 }
 
-write_config() {
+write_config() {  # returns 1 when slurm.conf changed (a running cluster must reread it)
   mkdir -p "$ETC" "$LOGS" /var/spool/slurmctld /run/slurm "$SHARED"/{runs,results,nvme}
   chmod 1777 "$SHARED" "$SHARED"/{runs,results,nvme}
   local host; host=$(hostname -s)
-  cat >"$ETC/slurm.conf" <<CONF
+  # written aside and renamed only when different: every SLURM command on this machine (other
+  # tests' included) reads slurm.conf, and must never see it half written
+  cat >"$ETC/slurm.conf.new" <<CONF
 ClusterName=$CLUSTER
 SlurmctldHost=$host($NET.1)
 SlurmUser=root
@@ -79,6 +81,11 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
+# A lost node is DOWN after SlurmdTimeout without an answer to slurmctld's pings (sent every
+# third of it), and its jobs are requeued (NODE_FAIL); default 300 s, short here so node-loss
+# tests take seconds. ReturnToService=2: a DOWN node is usable again as soon as its slurmd
+# registers (tests/faults.py power_on), with no scontrol update state=resume.
+SlurmdTimeout=30
 ReturnToService=2
 SchedulerType=sched/backfill
 MpiDefault=none
@@ -116,6 +123,9 @@ StoragePass=slurmtest
 StorageLoc=slurm_acct_db
 CONF
   chmod 600 "$ETC/slurmdbd.conf"
+  if cmp -s "$ETC/slurm.conf.new" "$ETC/slurm.conf"; then rm -f "$ETC/slurm.conf.new"; return 0; fi
+  mv "$ETC/slurm.conf.new" "$ETC/slurm.conf"
+  return 1
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -164,6 +174,10 @@ start_slurm() {
   wait_for 90 "both nodes idle" nodes_idle
 }
 
+nodes_up() {  # both nodes answer (idle, or running jobs)
+  [ "$(sinfo -h -p batch -N -o '%N %t' | grep -cE ' (idle|mix|alloc)$')" -eq 2 ]
+}
+
 nodes_idle() {
   [ "$(sinfo -h -p batch -N -o '%N %t' | grep -c ' idle$')" -eq 2 ]
 }
@@ -179,12 +193,14 @@ status() {
 }
 
 up() {
-  if scontrol ping >/dev/null 2>&1 && nodes_idle 2>/dev/null; then
+  if scontrol ping >/dev/null 2>&1 && nodes_up 2>/dev/null; then
+    # running (maybe busy): only a changed configuration to apply
+    if ! write_config; then log "slurm.conf changed: scontrol reconfigure"; scontrol reconfigure; fi
     log "already up"; status; return
   fi
   install_packages
   network_up
-  write_config
+  write_config || true
   start_munge
   start_mariadb
   start_slurm
