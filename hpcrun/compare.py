@@ -153,7 +153,7 @@ def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGR
         scale = abs(values).max(axis=1)
         relative = [s / m if m else 0.0 for s, m in zip(spread, scale)]
         worst = max(range(len(relative)), key=lambda i: relative[i])
-        pair = sorted({group.loc[members[high[worst]], "label"], group.loc[members[low[worst]], "label"]})
+        pair = sorted({group.loc[members[high[worst]], "label"], group.loc[members[low[worst]], "label"]}) if spread[worst] else ["none (identical losses)"]
         out.append({
             **row, "max_abs_diff": float(spread.max()), "max_rel_diff": float(relative[worst]),
             "worst_step": int(common.index[worst]), "worst_pair": " vs ".join(pair), "agree": relative[worst] <= tolerance,
