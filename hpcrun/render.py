@@ -94,6 +94,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         env=spec.env,
         container=site.environment.container,
         command=launch_command(spec),
+        python=python_command(spec),
         run_dirs=run_dirs,
         log_folder=str(log_folder),
         array=array,

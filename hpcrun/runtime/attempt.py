@@ -5,15 +5,15 @@ of the final weights. The loop itself is hpcrun.runtime.context and hpcrun.runti
 from __future__ import annotations
 
 import os
-import subprocess
 import typing as tp
 
 import torch
 import torch.distributed as dist
 
 from hpcrun.plan import RunSpec
-from hpcrun.rundir import atomic_path, atomic_write
+from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime import failure
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.jobs import JOBS
@@ -38,13 +38,17 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
             status, reason = stop_decision(ctx)
     except Exception as exc:
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
+        if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
+            failure.write_exit_record(ctx.run_dir, env.job_id, env.restart_count, env.rank, reason, ctx.step,
+                                      result_row(ctx, status, reason, peak_memory_bytes(ctx.device)))
+            raise
         cap = spec.recipe.checkpoint.max_requeues
         retry = spec.scheduler == "slurm" and env.restart_count < cap
         if spec.scheduler == "slurm" and not retry:
             reason += f"; requeue cap reached ({cap} requeues)"
         finish(ctx, status, reason + ("; requeued" if retry else ""), collective=False)
         if retry:  # a crash counts against the cap like a timeout: transient faults recover, bugs stop
-            requeue_now(env)
+            requeue_now(env, ctx.run_dir)
         raise
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
@@ -52,7 +56,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     if dist.is_initialized():
         dist.destroy_process_group()
     if status == "requeued" and env.is_main:
-        requeue_now(env)  # last: requeueing ends this job's processes
+        requeue_now(env, ctx.run_dir)  # last: requeueing ends this job's processes
     return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
 
 
@@ -68,15 +72,13 @@ def stop_decision(ctx: Context) -> tuple[str, str | None]:
     return "requeued", where
 
 
-def requeue_now(env: DistEnv) -> None:
+def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     """Requeue this job, unless SLURM is already doing so (preemption requeues by itself, and
     twice would count twice). SLURM holds a requeued job for the site's `AuthInfo=cred_expire`
     (120 s by default) before it may start again: a floor on requeue latency set by the site."""
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else env.job_id
-    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    if "JobState=RUNNING" in state:
-        subprocess.run(["scontrol", "requeue", job], check=False)
+    failure.requeue(run_dir, job)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
@@ -104,6 +106,7 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
         # one failed rank fails the attempt, whatever the ranks that finished write after it
         return (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get("status") == "failed"
 
+    attempt.update(failure.run_long(ctx.run_dir.state()))  # failed and excluded nodes stay the run's
     ctx.run_dir.update_state(attempt, keep=failed_already)
     if m.losses:
         atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))

@@ -34,7 +34,17 @@ run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 # One task per rank, each running hpcrun's entry point on the run directory. submitit's
 # JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
+# A failed step is recorded once, here, after it: which task ended first (srun's messages,
+# kept aside), the one results row, and the requeue decision (hpcrun.runtime.failure).
+srun_stderr=$(mktemp)
+step_status=0
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
-  python -u -m hpcrun.launch "$run_dir"
+  python -u -m hpcrun.launch "$run_dir" 2>"$srun_stderr" || step_status=$?
+cat "$srun_stderr" >&2
+if [ "$step_status" -ne 0 ]; then
+  python -m hpcrun.runtime.failure "$run_dir" "$step_status" "$srun_stderr" || true
+fi
+rm -f "$srun_stderr"
+exit "$step_status"

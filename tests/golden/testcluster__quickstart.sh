@@ -30,6 +30,16 @@ run_dir=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden
 # One task per rank, each running hpcrun's entry point on the run directory. submitit's
 # JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
 export SUBMITIT_EXECUTOR=slurm
+# A failed step is recorded once, here, after it: which task ended first (srun's messages,
+# kept aside), the one results row, and the requeue decision (hpcrun.runtime.failure).
+srun_stderr=$(mktemp)
+step_status=0
 srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  /usr/bin/python3 -u -m hpcrun.launch "$run_dir"
+  /usr/bin/python3 -u -m hpcrun.launch "$run_dir" 2>"$srun_stderr" || step_status=$?
+cat "$srun_stderr" >&2
+if [ "$step_status" -ne 0 ]; then
+  /usr/bin/python3 -m hpcrun.runtime.failure "$run_dir" "$step_status" "$srun_stderr" || true
+fi
+rm -f "$srun_stderr"
+exit "$step_status"

@@ -1,0 +1,208 @@
+"""A failed attempt, recorded once and by one writer, with the rank, node and signal that ended it.
+
+When one rank dies, the others fail a moment later ("Connection closed by peer") or are killed
+by srun (`--kill-on-bad-exit`); none of them knows who died first. So a failing rank only leaves
+an exit record (its error, step and node: hpcrun.rundir's `exit_record`), and the batch script,
+which outlives srun, runs `python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR` once the
+step has ended: srun's own messages ("srun: error: node2: task 3: Killed") say which task ended
+first. That one process writes the attempt's results row and state.json and decides the requeue.
+
+A lost node takes its batch script with it; SLURM requeues the job (NODE_FAIL) and the next
+attempt's start records the lost attempt from sacct (`lost_attempt`), and the node is excluded
+from the job's later attempts (`fault.exclude_failed_nodes`). SLURM updates a job's ExcNodeList
+only while it is pending, so the exclusion is applied right after each requeue hpcrun makes.
+
+Runs on the batch node after srun: imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import typing as tp
+from pathlib import Path
+
+from hpcrun import __version__
+from hpcrun.plan import RunSpec
+from hpcrun.rundir import RunDir, read_json, write_json
+
+# srun's message when a task ends badly, e.g. "srun: error: node2: task 3: Killed" or
+# "srun: error: node1: tasks 0-1: Exited with exit code 1"
+SRUN_ERROR = re.compile(r"srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)")
+SIGNAL_WORDS = {
+    "Killed": "SIGKILL", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Terminated": "SIGTERM",
+    "Bus error": "SIGBUS", "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL",
+}
+# what a rank reports when it only saw another one go (the cause is elsewhere)
+CONSEQUENCE = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused", re.IGNORECASE)
+# state.json keys that describe the run, not one attempt: every writer of state.json keeps them
+RUN_LONG = ("failed_nodes", "excluded_nodes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What ended an attempt first: a rank (and its node) and how it ended."""
+
+    rank: int | None
+    node: str | None
+    what: str  # "Killed (SIGKILL)", "exit code 1", "RuntimeError: ..."
+    step: int | None  # the step it failed in, when the rank said so
+
+    def describe(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        where = f" on {self.node}" if self.node else ""
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"{who}{where}: {self.what}{at}"
+
+    def signature(self) -> dict[str, tp.Any] | None:
+        """Same step and same error: the same failure again (any rank, any node)."""
+        if self.step is None:
+            return None
+        return {"step": self.step, "error": self.what}
+
+
+def job_ids() -> tuple[str, int]:
+    """This attempt's job id as the ranks name it (`<array>_<index>` for array tasks) and restart."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+    return job, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def first_ranks(tasks: str) -> list[int]:
+    out = []
+    for part in tasks.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def first_failure(srun_stderr: str, records: list[dict[str, tp.Any]]) -> Failure | None:
+    """Which rank ended the attempt: srun's messages in the order the tasks ended, told apart
+    from ranks that only saw a peer go; each rank's own record adds its error and step."""
+    by_rank = {int(r["rank"]): r for r in records}
+    candidates: list[Failure] = []
+    for match in SRUN_ERROR.finditer(srun_stderr):
+        what = match["what"].strip()
+        code = re.fullmatch(r"Exited with exit code (\d+)", what)
+        for rank in first_ranks(match["tasks"]):
+            rec = by_rank.get(rank)
+            if rec is not None:
+                candidates.append(Failure(rank, match["node"], rec["error"], rec.get("step")))
+            elif code:
+                candidates.append(Failure(rank, match["node"], f"exit code {code[1]}", None))
+            else:
+                candidates.append(Failure(rank, match["node"], f"{what} ({SIGNAL_WORDS[what]})" if what in SIGNAL_WORDS else what, None))
+    for rec in sorted(records, key=lambda r: r.get("time", 0)):  # ranks srun did not name
+        if all(c.rank != rec["rank"] for c in candidates):
+            candidates.append(Failure(int(rec["rank"]), rec.get("node"), rec["error"], rec.get("step")))
+    causes = [c for c in candidates if not CONSEQUENCE.search(c.what)]
+    return (causes or candidates or [None])[0]
+
+
+def run_long(state: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    return {k: state[k] for k in RUN_LONG if k in state}
+
+
+def minimal_row(spec: RunSpec, job_id: str, restart: int) -> dict[str, tp.Any]:
+    """A results row from the plan alone, for an attempt no rank could describe (all killed)."""
+    return {
+        "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
+        "site": spec.site_name, "cluster": spec.cluster, "partition": spec.partition, "nodes": spec.nodes,
+        "gpus_per_node": spec.gpus_per_node, "world_size": spec.world_size, "gpu_model": spec.gpu_model,
+        "interconnect": spec.interconnect, "strategy": spec.strategy.name, **spec.strategy.result_columns(),
+        "precision": spec.recipe.precision, "job_kind": spec.recipe.job.kind, "model": spec.model,
+        "micro_batch": spec.recipe.training.micro_batch, "grad_accum": spec.recipe.training.grad_accum,
+        "seq_len": spec.recipe.training.seq_len, "steps": spec.recipe.training.steps, "seed": spec.recipe.training.seed,
+        "job_id": job_id, "node_list": os.environ.get("SLURM_JOB_NODELIST"), "restart_count": restart,
+        "hpcrun_version": __version__, "site_hash": spec.site_hash,
+    }
+
+
+def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """The row a failing rank wrote into its exit record, with its times as datetimes again."""
+    row = dict(record.get("row") or {})
+    for key in ("start_time", "end_time"):
+        if isinstance(row.get(key), str):
+            row[key] = dt.datetime.fromisoformat(row[key])
+    return row
+
+
+def write_exit_record(run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any]) -> None:
+    """A failing rank's word, for the one writer of the attempt's record."""
+    import time
+
+    record = {"rank": rank, "node": os.environ.get("SLURMD_NODENAME"), "error": error, "step": step, "time": time.time(), "row": row}
+    write_json(run_dir.exit_record(job_id, restart, rank), json.loads(json.dumps(record, default=str)))
+
+
+def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> str | None:
+    """The failed attempt's one results row and state, and the requeue when the cap allows and
+    the failure is not the previous attempt's again. Returns the reason (None: already recorded
+    by a rank, e.g. a stop for requeue or the cap)."""
+    from hpcrun.results import write_attempt
+
+    spec = RunSpec.model_validate(read_json(run_dir.spec, None))
+    job_id, restart = job_ids()
+    state = run_dir.state()
+    if (state.get("job_id"), state.get("restart_count")) == (job_id, restart):
+        return None
+    records = [read_json(p, None) for p in run_dir.exit_records(job_id, restart)]
+    failure = first_failure(srun_stderr, [r for r in records if isinstance(r, dict)])
+    reason = failure.describe() if failure else f"job step ended with status {step_status}"
+    signature = failure.signature() if failure else None
+    cap = spec.recipe.checkpoint.max_requeues
+    previous = state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
+    retry = False
+    if signature is not None and signature == previous:
+        reason += "; the same failure as the previous attempt (same step, same error): not requeued"
+    elif restart >= cap:
+        reason += f"; requeue cap reached ({cap} requeues)"
+    else:
+        retry = True
+        reason += "; requeued"
+    own = next((r for r in records if isinstance(r, dict) and failure and r.get("rank") == failure.rank), None)
+    row = {**minimal_row(spec, job_id, restart), **rank_row(own or next(iter(records), None) or {})}
+    row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
+    write_attempt(spec.results_dir, row)
+    run_dir.update_state({
+        **run_long(state), "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
+        "step": row.get("last_step"), "failure": signature,
+    })
+    if retry:
+        requeue(run_dir, job_id)
+    return reason
+
+
+def requeue(run_dir: RunDir | None, job: str) -> None:
+    """Requeue `job`, unless SLURM is already doing so (preemption and NODE_FAIL requeue by
+    themselves, and twice would count twice); then, while it is pending (the only time SLURM
+    accepts it), exclude the nodes this run lost. SLURM holds a requeued job for the site's
+    `AuthInfo=cred_expire` (120 s by default) before it may start again."""
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    if "JobState=RUNNING" not in state:
+        return
+    subprocess.run(["scontrol", "requeue", job], check=False)
+    excluded = (run_dir.state().get("excluded_nodes") or []) if run_dir else []
+    if excluded:
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"], check=False, capture_output=True)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR`, from the sbatch script."""
+    if len(argv) != 3:
+        print("usage: python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR", file=sys.stderr)
+        return 2
+    path = Path(argv[2])
+    reason = record_failed_step(RunDir(argv[0]), int(argv[1]), path.read_text(errors="replace") if path.exists() else "")
+    if reason:
+        print(f"[hpcrun] attempt failed: {reason}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
