@@ -167,6 +167,8 @@ def _scheduled(run_dirs: list[Path]) -> list[RunStatus | None]:
         if own.get("status") == "failed" and state == "COMPLETED":  # stopped at the requeue cap
             state = "FAILED"
         reason = own.get("reason") or ("" if row.reason in ("None", "") else row.reason)
+        if mark.get("excluded_nodes"):  # the run's, whichever attempt decided it
+            reason = f"{reason}; excluding {','.join(mark['excluded_nodes'])}".lstrip("; ")
         result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, reason, source))
     return result
 

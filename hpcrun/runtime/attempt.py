@@ -30,6 +30,10 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
     ctx = Context(spec, env, FLAG)
+    if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
+        lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.allocation_id)
+        if lost:
+            ctx.info(f"previous attempt: {lost}")
     status, reason = "completed", None
     try:
         JOBS[spec.recipe.job.kind](ctx)

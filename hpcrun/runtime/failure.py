@@ -192,6 +192,63 @@ def requeue(run_dir: RunDir | None, job: str) -> None:
         subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"], check=False, capture_output=True)
 
 
+def sacct_attempts(allocation_id: str) -> list[tuple[str, str]]:
+    """(state, node list) of each start of the job, oldest first (a requeue adds one)."""
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", allocation_id, "-o", "State,NodeList"], capture_output=True, text=True)
+    return [tuple(line.split("|")[:2]) for line in out.stdout.splitlines() if "|" in line]  # type: ignore[misc]
+
+
+def hostnames(node_list: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", node_list], capture_output=True, text=True)
+    return out.stdout.split() or [node_list]
+
+
+def lost_nodes(node_list: str) -> list[str]:
+    """Of a NODE_FAIL attempt's nodes, those SLURM holds down now (all of them when none is:
+    the node came back before we asked)."""
+    nodes = hostnames(node_list)
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True, text=True).stdout
+    down = sorted({n for n, st in (line.split()[:2] for line in out.splitlines() if line.strip()) if st.startswith(("down", "drain", "fail"))})
+    return down or nodes
+
+
+def partition_size(partition: str) -> int:
+    out = subprocess.run(["scontrol", "show", "partition", partition], capture_output=True, text=True).stdout
+    found = re.search(r"TotalNodes=(\d+)", out)
+    return int(found[1]) if found else 0
+
+
+def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allocation_id: str) -> str | None:
+    """At an attempt's start (rank 0): when the previous attempt ended without a word, because
+    SLURM requeued the job after NODE_FAIL, record it (a results row, state.json's failed nodes)
+    and decide which nodes later attempts exclude. Returns the recorded reason."""
+    if restart == 0:
+        return None
+    state = run_dir.state()
+    said = state.get("job_id") == job_id and int(state.get("restart_count", -1)) >= restart - 1
+    if said:
+        return None
+    starts = sacct_attempts(allocation_id)
+    if len(starts) < 2 or starts[-2][0] != "NODE_FAIL":
+        return None
+    lost = lost_nodes(starts[-2][1])
+    failed = sorted(set(state.get("failed_nodes") or []) | set(lost))
+    excluded = list(state.get("excluded_nodes") or [])
+    if spec.recipe.fault.exclude_failed_nodes:
+        candidates = sorted(set(excluded) | set(lost))
+        if partition_size(spec.partition) - len(candidates) >= spec.nodes:  # still enough nodes to run on
+            excluded = candidates
+    reason = f"node lost (NODE_FAIL): {','.join(lost)}; requeued by SLURM"
+    row = {**minimal_row(spec, job_id, restart - 1), "node_list": starts[-2][1], "status": "failed", "reason": reason,
+           "end_time": dt.datetime.now(dt.timezone.utc)}
+    from hpcrun.results import write_attempt
+
+    write_attempt(spec.results_dir, row)
+    run_dir.update_state({**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart - 1,
+                          "failed_nodes": failed, "excluded_nodes": excluded, "failure": None})
+    return reason
+
+
 def main(argv: list[str]) -> int:
     """`python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR`, from the sbatch script."""
     if len(argv) != 3:

@@ -1,0 +1,124 @@
+"""Real faults on the test cluster (tests/cluster/testcluster.sh): kill or stop one rank of a
+running job, power a node off (every process in its network namespace, slurmd included) and
+back on. Each node is a network namespace, so `ip netns pids NODE` is everything on it.
+
+Also the entrypoint of a job that always crashes at the same step (`crash_entrypoint_job`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import typing as tp
+from pathlib import Path
+
+NODES = ("node1", "node2")
+
+
+def node_pids(node: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def rank_pid(allocation_id: str, rank: int, timeout: float = 60) -> tuple[int, str]:
+    """The pid of `rank`'s task (python -m hpcrun.launch) in job `allocation_id`, and its node."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for node in NODES:
+            for pid in node_pids(node):
+                env = environ(pid)
+                if env.get("SLURM_JOB_ID") == allocation_id and env.get("SLURM_PROCID") == str(rank):
+                    try:
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    if b"hpcrun.launch" in cmd:
+                        return pid, node
+        time.sleep(0.5)
+    raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {NODES}")
+
+
+def signal_rank(allocation_id: str, rank: int, sig: signal.Signals = signal.SIGKILL) -> str:
+    """SIGKILL (a dead rank) or SIGSTOP (a hung one) to one rank; returns its node."""
+    pid, node = rank_pid(allocation_id, rank)
+    os.kill(pid, sig)
+    return node
+
+
+def power_off(node: str) -> None:
+    """The node is gone: SIGKILL every process in its namespace, slurmd and step daemons too.
+    Repeated until none is left (a dying step daemon may spawn nothing, but be sure)."""
+    for _ in range(20):
+        pids = node_pids(node)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"{node}: processes survive SIGKILL: {node_pids(node)}")
+
+
+def node_state(node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-p", "batch", "-o", "%t"], capture_output=True, text=True).stdout.strip()
+
+
+def wait_node(node: str, states: tuple[str, ...], timeout: float) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = node_state(node)
+        if state in states:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"{node} not in {states} after {timeout} s: {node_state(node)!r}")
+
+
+def power_on(node: str, timeout: float = 90) -> None:
+    """Start the node's slurmd again and wait until SLURM schedules on it (ReturnToService=2)."""
+    if not any(b"slurmd" in Path(f"/proc/{p}/comm").read_bytes() for p in node_pids(node) if Path(f"/proc/{p}/comm").exists()):
+        subprocess.run(["ip", "netns", "exec", node, "slurmd", "-N", node], check=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = node_state(node)
+        if state in ("idle", "mix", "alloc"):
+            return
+        if state.startswith("down") and "*" not in state:  # answering, but kept down: give it back
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+        time.sleep(1)
+    raise AssertionError(f"{node} did not come back: {node_state(node)!r}")
+
+
+def crash_entrypoint_job(root: str, step_delay_s: float, crash_step: int) -> dict[str, tp.Any]:
+    """A recipe `job:` whose last rank raises the same error at `crash_step` in every attempt."""
+    return {
+        "kind": "entrypoint", "entrypoint": "tests.faults:crash_train", "pythonpath": [root],
+        "args": {"step_delay_s": step_delay_s, "model": "tiny", "crash_step": crash_step},
+    }
+
+
+def crash_train(ctx: tp.Any) -> None:
+    """tests.delayed_training's training, with a bug at a fixed step on the last rank."""
+    from tests.delayed_training import train
+
+    crash_step = int(ctx.args["crash_step"])
+    steps = ctx.steps
+
+    def crashing() -> tp.Iterator[int]:
+        for step in steps():
+            if step == crash_step and ctx.rank == ctx.world_size - 1:
+                raise RuntimeError(f"deliberate bug at step {crash_step}")
+            yield step
+
+    ctx.steps = crashing
+    train(ctx)

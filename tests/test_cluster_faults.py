@@ -1,0 +1,145 @@
+"""Real failures on the SLURM test cluster: a SIGKILLed rank, a job that crashes at the same
+step every time, a lost node. Each job lasts a bounded time (a pause per step), and each test
+says what one record of the failed attempt must hold."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import typing as tp
+from pathlib import Path
+
+import pytest
+
+from tests import faults
+from tests.delayed_training import entrypoint_job
+from tests.helpers import ROOT
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+# 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
+TRAINING = {"steps": 120, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+CHECKPOINT = {"interval": 20, "max_requeues": 3, "export_final": True}
+PAUSED = entrypoint_job(str(ROOT), 0.1)
+
+
+def records(job: str) -> list[str]:
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
+    return [line.split()[0] for line in out.stdout.split()] if out.stdout.strip() else []
+
+
+def wait_done(run_dir: Path, timeout: float) -> dict[str, tp.Any]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed") and "requeued" not in (state(run_dir).get("reason") or ""):
+            job = state(run_dir)["job_id"]
+            if records(job) and records(job)[-1] in ("COMPLETED", "FAILED"):
+                return state(run_dir)
+        time.sleep(1)
+    raise AssertionError(f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}")
+
+
+def wait_checkpoint(run_dir: Path, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not any((run_dir / "checkpoints").glob("step-*")):
+        time.sleep(0.2)
+    assert any((run_dir / "checkpoints").glob("step-*")), "no checkpoint appeared"
+
+
+def submit(tmp: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
+    site = site_copy(tmp, "testcluster")
+    rec = recipe(tmp, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, **extra})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+
+
+def ranks_alive(job: str, world: int) -> list[int]:
+    alive = []
+    for rank in range(world):
+        try:
+            faults.rank_pid(job, rank, timeout=0)
+            alive.append(rank)
+        except AssertionError:
+            pass
+    return alive
+
+
+def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path) -> None:
+    """SIGKILL to rank 3 of a 2-node x 2-rank job: every rank is gone within 30 s, the failed
+    attempt has exactly one results row naming rank, node and signal, and the job requeues once
+    and completes from its checkpoint."""
+    two_nodes = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+    run_dir, job = submit(tmp_path, "killed-rank", resources=two_nodes)
+    wait_checkpoint(run_dir)
+    faults.rank_pid(job, 3)  # all four ranks running
+    node = faults.signal_rank(job, 3, signal.SIGKILL)
+    killed = time.time()
+    while ranks_alive(job, 4) and time.time() - killed < 30:
+        time.sleep(0.5)
+    assert not ranks_alive(job, 4), f"ranks alive 30 s after the kill: {ranks_alive(job, 4)}"
+    final = wait_done(run_dir, timeout=240)
+    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert records(job) == ["REQUEUED", "COMPLETED"], records(job)  # one requeue, not one per rank
+    table = rows(tmp_path, run_dir)
+    failed = table[table.restart_count == 0]
+    assert len(failed) == 1, failed[["status", "reason"]].to_string()
+    reason = failed.iloc[0]["reason"]
+    assert failed.iloc[0]["status"] == "failed" and f"rank 3 on {node}" in reason and "SIGKILL" in reason, reason
+    assert len(table) == 2 and table[table.restart_count == 1].iloc[0]["status"] == "completed"
+
+
+def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
+    """A bug at step 7 on the last rank: the second attempt fails the same way and the job
+    stops there (not after max_requeues attempts), with the reason in `hpcrun status`."""
+    run_dir, job = submit(
+        tmp_path, "same-crash",
+        job=faults.crash_entrypoint_job(str(ROOT), 0.05, crash_step=7),
+        checkpoint={**CHECKPOINT, "max_requeues": 4},
+    )
+    final = wait_done(run_dir, timeout=240)
+    assert final["status"] == "failed" and final["restart_count"] == 1, final
+    assert "the same failure as the previous attempt" in final["reason"], final["reason"]
+    assert "RuntimeError: deliberate bug at step 7" in final["reason"] and "rank 1" in final["reason"], final["reason"]
+    assert records(job) == ["REQUEUED", "FAILED"], records(job)
+    table = rows(tmp_path, run_dir)
+    assert sorted(table.restart_count) == [0, 1] and set(table.status) == {"failed"}, table[["restart_count", "status", "reason"]]
+    shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
+    assert "same failure" in shown, shown
+
+
+def test_lost_node_is_recorded_and_excluded(tmp_path: Path) -> None:
+    """Every process of the node under a 1-node job, slurmd included, is SIGKILLed: SLURM
+    requeues (NODE_FAIL), the job finishes on the other node, state.json and the results name
+    the lost node, and after a later requeue (USR2) the job excludes it though it is back."""
+    run_dir, job = submit(tmp_path, "lost-node", training={**TRAINING, "steps": 200})
+    wait_checkpoint(run_dir)
+    _, node = faults.rank_pid(job, 0)
+    other = next(n for n in faults.NODES if n != node)
+    try:
+        faults.power_off(node)
+        faults.wait_node(node, ("down*", "down"), timeout=90)
+        # the resumed attempt runs on the other node; cut it once more (USR2) to see the exclusion
+        _, resumed_on = faults.rank_pid(job, 0, timeout=180)
+        assert resumed_on == other
+        faults.power_on(node)
+        wait_checkpoint(run_dir)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        deadline = time.time() + 60
+        while "ExcNodeList=" + node not in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout:
+            assert time.time() < deadline, "the requeued job does not exclude the lost node"
+            time.sleep(0.5)
+        final = wait_done(run_dir, timeout=240)
+    finally:
+        faults.power_on(node)
+    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert final["failed_nodes"] == [node] and final["excluded_nodes"] == [node], final
+    assert records(job)[:2] == ["NODE_FAIL", "REQUEUED"], records(job)
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "NodeList"], capture_output=True, text=True).stdout.split()
+    assert out[-1] == other, out  # the last attempt, with the node back, still not on it
+    table = rows(tmp_path, run_dir)
+    lost = table[table.restart_count == 0]
+    assert len(lost) == 1 and f"node lost (NODE_FAIL): {node}" in lost.iloc[0]["reason"], lost[["status", "reason"]]
+    shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
+    assert f"excluding {node}" in shown, shown
