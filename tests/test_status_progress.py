@@ -155,7 +155,7 @@ def live_line(site: Path, run_dir: Path, timeout: float = 180) -> re.Match[str]:
         if match and int(match["step"]) > 0:
             assert line.split()[2] == "RUNNING", line
             return match
-        assert line.split()[2] in ("PENDING", "RUNNING", "CONFIGURING"), line
+        assert line.split()[2] in ("PENDING", "RUNNING", "CONFIGURING", "UNKNOWN"), line  # UNKNOWN: not in sacct yet
         time.sleep(0.5)
     raise AssertionError(f"no live progress in `hpcrun status` after {timeout} s: {line}")
 
