@@ -25,12 +25,17 @@ class DDP(Strategy):
     """Gradients are views into the all-reduce buckets: one copy of the gradients fewer."""
     find_unused_parameters: bool = False
     """Search the graph for parameters without gradients each step (only models that skip some need it)."""
-    comm_hook: tp.Literal["none", "bf16", "fp16", "powersgd"] = "none"
-    """Compress gradients before the all-reduce; bf16 needs NCCL (GPUs)."""
+    comm_hook: tp.Literal["per_parameter", "none", "bf16", "fp16", "powersgd"] = "per_parameter"
+    """How gradients are all-reduced. `per_parameter` (default): each parameter's gradient on its
+    own, so every element is summed in the same order in every attempt and a resumed run ends
+    with the same weights bit for bit at any world size. `none`: DDP's own bucketed all-reduce
+    (fewer, larger collectives; bit-exact resume only at 2 ranks, because DDP re-lays its buckets
+    out after the first iteration of every attempt). `bf16`/`fp16`/`powersgd` compress the
+    gradients (bf16 needs NCCL, GPUs); like `none`, not bit-exact across a resume."""
     powersgd_rank: int = pydantic.Field(default=1, ge=1)
     """PowerSGD's matrix approximation rank (with `comm_hook: powersgd`)."""
 
-    def check(self, recipe: "Recipe", partition: "Partition", site: "Site") -> None:
+    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
         if not partition.gpus_per_node and self.comm_hook == "bf16":
             raise PlanProblem("comm_hook", "the bf16 compression hook needs NCCL (GPUs); use fp16 or powersgd on a CPU partition")
 
@@ -41,7 +46,7 @@ class DDP(Strategy):
     def memory_option(self) -> Option:
         return REPLICATED
 
-    def build(self, model: tp.Any, make_optimizer: "OptimizerFactory", recipe: "Recipe", env: "DistEnv", run_dir: str | None, nvme_dir: str | None) -> "Engine":
+    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         from torch.nn.parallel import DistributedDataParallel
 
         from hpcrun.runtime.engine import TorchEngine
@@ -59,6 +64,10 @@ class DDP(Strategy):
 
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif self.comm_hook == "per_parameter":
+            from hpcrun.runtime.engine import per_parameter_allreduce
+
+            ddp.register_comm_hook(None, per_parameter_allreduce)
         elif self.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
