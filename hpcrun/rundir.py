@@ -178,6 +178,16 @@ class RunDir:
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""
         return self.path / EXITS / f"{job_id}-{restart}-rank{rank}.json"
 
+    def heartbeat(self, job_id: str, restart: int, rank: int) -> Path:
+        """A rank's last completed step and when (hpcrun.runtime.watchdog): how the ranks whose
+        watchdog fires name the rank that went silent."""
+        return self.path / "heartbeats" / f"{job_id}-{restart}-rank{rank}.json"
+
+    @property
+    def flight_recorder(self) -> Path:
+        """Where PyTorch's NCCL flight recorder dumps its per-rank traces on a timeout."""
+        return self.path / "flight-recorder"
+
     def exit_records(self, job_id: str, restart: int) -> list[Path]:
         return sorted((self.path / EXITS).glob(f"{job_id}-{restart}-rank*.json"))
 

@@ -19,6 +19,7 @@ from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.jobs import JOBS
 from hpcrun.runtime.metrics import peak_memory_bytes
 from hpcrun.runtime.row import result_row
+from hpcrun.runtime.watchdog import flight_recorder_env
 from hpcrun.signals import FLAG
 
 
@@ -28,6 +29,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     env = from_scheduler()
     FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
+        if env.backend == "nccl":
+            flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
     ctx = Context(spec, env, FLAG)
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record

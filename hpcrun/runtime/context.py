@@ -24,6 +24,7 @@ from hpcrun.runtime import engine as engines
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
 from hpcrun.runtime.steps import StepRecorder
+from hpcrun.runtime.watchdog import Watchdog
 from hpcrun.signals import SignalFlag
 
 
@@ -76,6 +77,8 @@ class Context:
         signal (checkpoint, then leave the loop)."""
         total, interval = self.recipe.training.steps, self.recipe.checkpoint.interval
         self.recorder = recorder = StepRecorder(self, total)
+        env = self.env
+        watchdog = Watchdog(self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s)
         try:
             for step in range(self.start_step, total):
                 self.step = step
@@ -97,12 +100,14 @@ class Context:
                 self.measured.step_times.append(time.perf_counter() - start)
                 if saving:
                     self.save(done, block=done == total or bool(stop))
+                watchdog.beat(step, self.measured.step_times[-1])
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
                     self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
                     return
             self.step = total
         finally:
+            watchdog.stop()
             recorder.close()
 
     def global_losses(self) -> list[float]:

@@ -1,0 +1,125 @@
+"""The hang watchdog: a daemon thread per rank that ends the attempt when the rank made no step
+progress for `fault.hang_timeout_s`.
+
+It depends on nothing the stuck thread holds: it reads two numbers the loop writes after every
+step, and on firing it writes every thread's Python stack to this rank's log (faulthandler, which
+needs no GIL-holding cooperation from the stuck thread), names the ranks whose heartbeats went
+silent, and ends the process with EXIT_HUNG. A non-zero exit ends the job step (srun's
+--kill-on-bad-exit), and the attempt is recorded and requeued like any failed one. A rank that is
+stopped (SIGSTOP) cannot dump its own stack; its peers, waiting for it in a collective, fire
+instead and name it from its stale heartbeat file.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hpcrun.rundir import RunDir, atomic_write
+
+EXIT_HUNG = 75
+FLOOR_S = 300.0  # the derived timeout's floor: slower saves and evaluation steps are not hangs
+STEP_FACTOR = 20  # the derived timeout: this many median step times (of the first MEASURED steps)
+MEASURED = 5
+HEARTBEAT_S = 5.0  # at most one heartbeat write per rank this often (shared filesystems)
+
+
+def derived_timeout(step_times: list[float]) -> float:
+    """`fault.hang_timeout_s: null`: max(300 s, 20 x the median of the first steps' times)."""
+    return max(FLOOR_S, STEP_FACTOR * statistics.median(step_times))
+
+
+def flight_recorder_env(run_dir: RunDir) -> None:
+    """On NCCL, PyTorch's flight recorder: a ring of the last collectives per rank, dumped into
+    the run directory when a collective times out. Read by the process group when it is
+    created, so called before it; a user's own settings win."""
+    run_dir.flight_recorder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(run_dir.flight_recorder / "rank_"))
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir.flight_recorder / "rank_"))  # the older name
+
+
+class Watchdog:
+    """Started by the training loop at its first step; `beat` after every step."""
+
+    def __init__(self, run_dir: RunDir, job_id: str, restart: int, rank: int, world_size: int, timeout_s: float | None) -> None:
+        self.run_dir, self.job_id, self.restart, self.rank, self.world_size = run_dir, job_id, restart, rank, world_size
+        self.fixed = timeout_s
+        self.timeout_s: float | None = timeout_s
+        self.step_times: list[float] = []
+        self.last = time.monotonic()
+        self.last_wall = time.time()
+        self.step = -1
+        self.written = 0.0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="hpcrun-watchdog", daemon=True)
+        self.thread.start()
+
+    def beat(self, step: int, seconds: float) -> None:
+        """Step `step` completed in `seconds`: progress. Two stores on the training thread; the
+        heartbeat file is written by the watchdog's own thread."""
+        self.last = time.monotonic()
+        self.last_wall = time.time()
+        self.step = step
+        if self.timeout_s is None:
+            self.step_times.append(seconds)
+            if len(self.step_times) >= MEASURED:
+                self.timeout_s = derived_timeout(self.step_times)
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not self.done.wait(1.0):
+            timeout = self.timeout_s
+            if timeout is not None and time.monotonic() - self.last > timeout:
+                self.fire(timeout)
+            if time.monotonic() - self.written >= HEARTBEAT_S:
+                self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """This rank's last step and that this process still runs (`alive`): a stopped or dead
+        rank's file goes stale, a rank waiting in a collective keeps it fresh."""
+        self.written = time.monotonic()
+        path = self.run_dir.heartbeat(self.job_id, self.restart, self.rank)
+        path.parent.mkdir(exist_ok=True)
+        beat = {"rank": self.rank, "host": socket.gethostname(), "step": self.step, "stepped": self.last_wall, "alive": time.time()}
+        atomic_write(path, json.dumps(beat))
+
+    def fire(self, timeout: float) -> None:
+        """Stacks, the silent ranks, and the end of this process (see the module's docstring)."""
+        err = sys.stderr
+        err.write(f"[hpcrun rank {self.rank}] hung: no step progress for {timeout:.0f} s after step {self.step + 1} "
+                  f"(fault.hang_timeout_s{'' if self.fixed else ', derived'}); stacks of every thread of this rank:\n")
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
+        silent = self.silent_ranks(timeout)
+        if silent:
+            err.write(f"[hpcrun rank {self.rank}] silent ranks: {'; '.join(silent)}\n")
+        err.flush()
+        os._exit(EXIT_HUNG)  # the stuck main thread never reaches a clean exit
+
+    def silent_ranks(self, timeout: float) -> list[str]:
+        """The other ranks of this attempt whose process has stopped running (no heartbeat for
+        3 x HEARTBEAT_S: SIGSTOPped, dead, or its node gone), with their host and last step."""
+        now, found = time.time(), []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            path: Path = self.run_dir.heartbeat(self.job_id, self.restart, rank)
+            try:
+                beat = json.loads(path.read_text())
+            except (OSError, ValueError):
+                found.append(f"rank {rank} (no heartbeat)")
+                continue
+            if now - float(beat["alive"]) > 3 * HEARTBEAT_S:
+                found.append(f"rank {rank} on {beat['host']} (not running for {now - float(beat['alive']):.0f} s; last step {int(beat['step']) + 1})")
+        return found

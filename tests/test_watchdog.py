@@ -1,0 +1,96 @@
+"""The hang watchdog: a rank whose main thread makes no step progress is ended with its stacks in
+its log and the silent ranks named; on the cluster a SIGSTOPped rank ends the attempt (its
+peers' watchdogs fire) and the job requeues and completes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrun.runtime.watchdog import EXIT_HUNG, FLOOR_S, derived_timeout
+from tests.helpers import ROOT
+
+
+def test_watchdog_ends_a_rank_stuck_in_its_step(tmp_path: Path) -> None:
+    """Main thread blocked forever after one step: the watchdog thread dumps every thread's
+    stack (the stuck function included), names rank 1 (never beat) as silent and exits."""
+    code = textwrap.dedent(f"""
+        import threading
+        from hpcrun.rundir import RunDir
+        from hpcrun.runtime.watchdog import Watchdog
+        def stuck_in_a_collective():
+            threading.Event().wait()
+        dog = Watchdog(RunDir({str(tmp_path)!r}), "7", 0, 0, 2, timeout_s=2)
+        dog.beat(0, 0.1)
+        stuck_in_a_collective()
+    """)
+    began = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    took = time.monotonic() - began
+    assert out.returncode == EXIT_HUNG, out.stderr
+    assert "hung: no step progress for 2 s after step 1" in out.stderr
+    assert "stuck_in_a_collective" in out.stderr  # the main thread's stack
+    assert "silent ranks: rank 1 (no heartbeat)" in out.stderr
+    beat = json.loads((tmp_path / "heartbeats" / "7-0-rank0.json").read_text())
+    assert beat["step"] == 0
+    assert took < 30
+
+
+def test_watchdog_quiet_while_steps_progress(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import time
+        from hpcrun.rundir import RunDir
+        from hpcrun.runtime.watchdog import Watchdog
+        dog = Watchdog(RunDir({str(tmp_path)!r}), "7", 0, 0, 1, timeout_s=2)
+        for step in range(8):
+            time.sleep(0.5)
+            dog.beat(step, 0.5)
+        dog.stop()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "hung" not in out.stderr, out.stderr
+
+
+def test_derived_timeout_has_a_floor() -> None:
+    assert derived_timeout([0.1, 0.2, 0.1, 0.3, 0.1]) == FLOOR_S
+    assert derived_timeout([30.0, 31.0, 29.0, 30.0, 30.0]) == 600.0
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path) -> None:
+    """One rank of a 2-node x 2-rank job is SIGSTOPped with `fault.hang_timeout_s: 60`: the other
+    ranks' watchdogs fire within 120 s, their stacks are in the run's logs, the job requeues
+    and completes with the weights of an uninterrupted run."""
+    from tests import faults
+    from tests.runs import hpcrun, recipe, run_dir_of, site_copy
+    from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, submit, wait_checkpoint, wait_done
+
+    began = time.monotonic()
+    resources = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+    run_dir, job = submit(tmp_path, "hung", resources=resources, fault={"hang_timeout_s": 60})
+    wait_checkpoint(run_dir)
+    faults.signal_rank(job, 3, signal.SIGSTOP)
+    stopped = time.monotonic()
+    deadline = stopped + 150
+    while time.monotonic() < deadline and records(job)[:1] != ["REQUEUED"]:
+        time.sleep(1)
+    ended = time.monotonic() - stopped
+    assert records(job)[:1] == ["REQUEUED"], records(job)
+    assert ended < 120 + 10, ended  # 60 s timeout, 1 s polling, srun's teardown
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
+    assert logs.count("hung: no step progress for 60 s") >= 2, logs[-3000:]  # every rank that can run
+    assert "Thread" in logs and "silent ranks" in logs and "rank 3 on" in logs
+    final = wait_done(run_dir, timeout=400)
+    assert final["status"] == "completed", final
+    whole = recipe(tmp_path, "hung-whole", job=PAUSED | {"args": {"step_delay_s": 0.0, "model": "tiny"}}, training=TRAINING, checkpoint=CHECKPOINT, resources=resources)
+    baseline = run_dir_of(hpcrun("submit", "--site", str(site_copy(tmp_path, "testcluster")), "--wait", str(whole)))
+    assert (run_dir / "weights.sha256").read_text() == (baseline / "weights.sha256").read_text()
+    print(f"duration {time.monotonic() - began:.0f} s (attempt ended {ended:.0f} s after SIGSTOP)")
