@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import yaml
-
 from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
 
 # dense bf16 tensor-core TFLOPs by device name; the first match wins (H100 PCIe before H100)

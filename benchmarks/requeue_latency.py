@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 import yaml
-
 from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
-
 
 
 def main() -> None:
@@ -28,14 +26,14 @@ def main() -> None:
 
     tmp = scratch("requeue-latency-", "/var/tmp")
     scratch_site(tmp, "testcluster", name="latency")
-    hold = next((l.split("cred_expire=")[1].split(",")[0] for l in subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout.splitlines() if "cred_expire=" in l), "120")
+    hold = next((ln.split("cred_expire=")[1].split(",")[0] for ln in subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout.splitlines() if "cred_expire=" in ln), "120")
     print(f"SLURM requeue hold (AuthInfo cred_expire): {hold} s")
     for n in range(args.repeat):
         recipe = {"name": f"latency{n}", "job": {"kind": "benchmark", "model": "tiny"}, "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"},
                   "training": {"steps": 600, "micro_batch": 2, "seq_len": 32}, "checkpoint": {"interval": 50}}
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
         out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(tmp / "site.yaml"), str(tmp / "recipe.yaml")], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        run_dir = Path(next(l.split("run dir:")[1].strip() for l in out.splitlines() if "run dir:" in l))
+        run_dir = Path(next(ln.split("run dir:")[1].strip() for ln in out.splitlines() if "run dir:" in ln))
         job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
         while not any((run_dir / "checkpoints").glob("step-*")):
             time.sleep(0.1)

@@ -13,9 +13,7 @@ import time
 from pathlib import Path
 
 import yaml
-
 from scratch import scratch, scratch_site  # benchmarks/scratch.py
-
 
 
 def tool(bindir: Path, name: str, body: str) -> None:

@@ -85,8 +85,8 @@ def login_checks(site: Site, script: str) -> list[Finding]:
         if answer.returncode != 0:
             raise HpcrunError(f"sacctmgr failed, so account and qos cannot be checked: {answer.stderr.strip() or f'exit status {answer.returncode}'}")
         assoc = answer.stdout
-        accounts = {l.split("|")[0] for l in assoc.splitlines() if "|" in l}
-        qos = {q for l in assoc.splitlines() if "|" in l for q in l.split("|")[1].split(",")}
+        accounts = {ln.split("|")[0] for ln in assoc.splitlines() if "|" in ln}
+        qos = {q for ln in assoc.splitlines() if "|" in ln for q in ln.split("|")[1].split(",")}
         if site.account and site.account not in accounts:
             found.append(Finding("fail", "account", f"{site.account!r} is not one of your accounts ({', '.join(sorted(accounts)) or 'none'})", f"set account in {where}"))
         if site.qos and site.qos not in qos:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import sys
 import shlex
+import sys
 from pathlib import Path
 
 import jinja2

@@ -23,7 +23,7 @@ __all__ = ["SCHEMA", "compact", "files", "load", "load_steps", "read", "resolve_
 if tp.TYPE_CHECKING:
     import pandas as pd
 
-S, I, F, T = pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC")
+S, I, F, T = pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC")  # noqa: E741 (short type names keep the schema table readable)
 
 # name -> type; provenance first, then what the runtime measures.
 COLUMNS: dict[str, pa.DataType] = {

@@ -59,7 +59,7 @@ class Partition(Frozen):
         return value
 
     @pydantic.model_validator(mode="after")
-    def _gpu_declared(self) -> "Partition":
+    def _gpu_declared(self) -> Partition:
         if self.gpus_per_node > 0 and self.gpu is None:
             raise ValueError("gpu: required when gpus_per_node > 0 (its model and peak FLOP/s feed MFU)")
         return self
@@ -165,7 +165,7 @@ class Site(Frozen):
     source: str = pydantic.Field(default="", exclude=True)
 
     @pydantic.model_validator(mode="after")
-    def _cross_field(self) -> "Site":
+    def _cross_field(self) -> Site:
         if self.default_partition not in self.partitions:
             raise ValueError(
                 f"default_partition {self.default_partition!r} is not among partitions ({', '.join(self.partitions)})"

@@ -13,7 +13,6 @@ import yaml
 from hpcrun.results import load
 from tests.helpers import ROOT
 
-
 STRATEGIES: dict[str, dict[str, tp.Any]] = {
     "ddp": {"name": "ddp"},
     "fsdp": {"name": "fsdp", "sharding": "full"},
@@ -72,5 +71,5 @@ def state(run_dir: Path) -> dict[str, tp.Any]:
     return dict(json.loads((run_dir / "state.json").read_text()))
 
 
-def rows(tmp: Path, run_dir: Path) -> "tp.Any":
+def rows(tmp: Path, run_dir: Path) -> tp.Any:
     return load(tmp / "results", run_id=run_dir.name)

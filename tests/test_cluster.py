@@ -29,7 +29,7 @@ def wait_state(site: Path, run_dir: Path, wanted: set[str], timeout: float = 180
     current = ""
     while time.time() < deadline:
         out = hpcrun("status", "--site", str(site), run_dir.name)
-        line = next(l for l in out.stdout.splitlines() if l.startswith(run_dir.name))
+        line = next(ln for ln in out.stdout.splitlines() if ln.startswith(run_dir.name))
         current = line.split()[2]
         if current in wanted:
             return current

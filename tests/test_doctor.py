@@ -17,9 +17,9 @@ def test_doctor_local(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     out = hpcrun("doctor", "--site", str(site))
     lines = out.stdout.splitlines()
-    assert any(l.startswith("ok    ranks: 2 ranks") for l in lines), out.stdout
-    assert any(l.startswith("ok    all-reduce: gloo bus bandwidth") for l in lines)
-    assert not any(l.startswith("fail") for l in lines)
+    assert any(ln.startswith("ok    ranks: 2 ranks") for ln in lines), out.stdout
+    assert any(ln.startswith("ok    all-reduce: gloo bus bandwidth") for ln in lines)
+    assert not any(ln.startswith("fail") for ln in lines)
     row = load(tmp_path / "results", job_kind="doctor").iloc[0]
     assert dict(row["extra"])["busbw_gbs_peak"] > 0
 
@@ -29,10 +29,10 @@ def test_doctor_on_the_cluster(tmp_path: Path) -> None:
     site = site_copy(tmp_path, "testcluster")
     out = hpcrun("doctor", "--site", str(site), "--nodes", "2")
     lines = out.stdout.splitlines()
-    assert any(l.startswith("ok    partition batch: 2 nodes, 2 CPUs") for l in lines), out.stdout
-    assert any(l.startswith("ok    sbatch --test-only") for l in lines)
-    assert any(l.startswith("ok    ranks: 4 ranks on node1, node2 over hpc0") for l in lines), out.stdout
-    assert any("warn  bandwidth: no nominal figure" in l for l in lines)
+    assert any(ln.startswith("ok    partition batch: 2 nodes, 2 CPUs") for ln in lines), out.stdout
+    assert any(ln.startswith("ok    sbatch --test-only") for ln in lines)
+    assert any(ln.startswith("ok    ranks: 4 ranks on node1, node2 over hpc0") for ln in lines), out.stdout
+    assert any("warn  bandwidth: no nominal figure" in ln for ln in lines)
 
 
 @pytest.mark.cluster

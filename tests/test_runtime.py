@@ -114,7 +114,7 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
     )
     runs = tmp_path / "runs"
     deadline = time.time() + 120
-    while time.time() < deadline and not any((runs.glob("*/checkpoints/step-*") if runs.exists() else [])):
+    while time.time() < deadline and not any(runs.glob("*/checkpoints/step-*") if runs.exists() else []):
         time.sleep(0.1)
     os.killpg(cli.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
     out, err = cli.communicate(timeout=60)

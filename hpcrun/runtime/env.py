@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
     rank: int

@@ -55,7 +55,7 @@ class Strategy(Frozen):
     """The strategy's registered name, the `name:` key of a recipe's `strategy:` mapping."""
 
     # plan time (login node) -------------------------------------------------------------
-    def check(self, recipe: "Recipe", partition: "Partition", site: "Site") -> None:
+    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
         """Raise PlanProblem when this setting cannot run on `partition` of `site`."""
 
     @classmethod
@@ -81,7 +81,7 @@ class Strategy(Frozen):
         return {"zero_stage": None, "offload_optimizer": "none", "offload_param": "none"}
 
     # in the allocation (imports torch) ----------------------------------------------------
-    def build(self, model: tp.Any, make_optimizer: "OptimizerFactory", recipe: "Recipe", env: "DistEnv", run_dir: str | None, nvme_dir: str | None) -> "Engine":
+    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         """Wrap `model`, build its optimizer: the engine the training loop drives. `run_dir`
         receives what the engine records of itself; `nvme_dir` is this job's own NVMe directory."""
         raise NotImplementedError

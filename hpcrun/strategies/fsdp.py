@@ -38,7 +38,7 @@ class FSDP(Strategy):
     """Create the built-in model on the meta device; each unit is materialised just before it is
     sharded, so no rank ever holds the whole model (ignored when starting from a previous stage)."""
 
-    def check(self, recipe: "Recipe", partition: "Partition", site: "Site") -> None:
+    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
         if not partition.gpus_per_node and self.cpu_offload:
             raise PlanProblem("cpu_offload", "FSDP CPU offload moves parameters off a GPU; this partition has none")
 
@@ -56,7 +56,7 @@ class FSDP(Strategy):
         offload = "cpu" if self.cpu_offload else "none"
         return {"zero_stage": None, "offload_optimizer": offload, "offload_param": offload}
 
-    def build(self, model: "nn.Module", make_optimizer: "OptimizerFactory", recipe: "Recipe", env: "DistEnv", run_dir: str | None, nvme_dir: str | None) -> "Engine":
+    def build(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         import torch
         from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -92,7 +92,7 @@ class FSDP(Strategy):
         return TorchEngine(wrapped, make_optimizer(wrapped.parameters()), recipe, env, model)
 
 
-def _materialise(module: "nn.Module", device: "device", init: tp.Callable[["nn.Module"], None] | None) -> None:
+def _materialise(module: nn.Module, device: device, init: tp.Callable[[nn.Module], None] | None) -> None:
     """FSDP calls this for every module still on the meta device; it must set up only that
     module's own parameters: with the model's own `init_module` when it has one (the built-in
     GPT does), else with a leaf layer's default `reset_parameters`."""
