@@ -119,13 +119,14 @@ def stitch(df: pd.DataFrame) -> pd.DataFrame:
     for run_id, attempts in starts.groupby("run_id", sort=False):
         rows = df[df["run_id"] == run_id]
         # walking backwards, each attempt keeps the steps below the earliest start seen after it
-        limit = None
+        limit: int | None = None
         for attempt in reversed(list(attempts.itertuples(index=False))):
             mine = rows[(rows["job_id"] == attempt.job_id) & (rows["restart_count"] == attempt.restart_count)]
             if limit is not None:
                 mine = mine[mine["step"] < limit]
             keep.append(mine.drop_duplicates("step", keep="last"))
-            limit = attempt.first_step if limit is None else min(limit, attempt.first_step)
+            first = int(tp.cast(tp.Any, attempt).first_step)
+            limit = first if limit is None else min(limit, first)
     return pd.concat(keep).sort_values(["run_id", "step"], kind="stable").reset_index(drop=True)
 
 

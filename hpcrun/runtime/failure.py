@@ -74,7 +74,7 @@ def job_ids() -> tuple[str, int]:
 
 
 def first_ranks(tasks: str) -> list[int]:
-    out = []
+    out: list[int] = []
     for part in tasks.split(","):
         lo, _, hi = part.partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
@@ -101,7 +101,8 @@ def first_failure(srun_stderr: str, records: list[dict[str, tp.Any]]) -> Failure
         if all(c.rank != rec["rank"] for c in candidates):
             candidates.append(Failure(int(rec["rank"]), rec.get("node"), rec["error"], rec.get("step")))
     causes = [c for c in candidates if not CONSEQUENCE.search(c.what)]
-    return (causes or candidates or [None])[0]
+    found = causes or candidates
+    return found[0] if found else None
 
 
 def run_long(state: dict[str, tp.Any]) -> dict[str, tp.Any]:
