@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
-import json
 import re
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from hpcrun import slurm
 from hpcrun.errors import HpcrunError
+from hpcrun.rundir import RunDir
 from hpcrun.site import Site
 
 
@@ -104,7 +104,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
 
 def probe_findings(site: Site, run_dir: Path, job_state: str) -> list[Finding]:
     """Findings from the ranks' reports: interface, per-node compute time, bus bandwidth."""
-    reports = [json.loads(p.read_text()) for p in sorted(run_dir.glob("probe-rank*.json"))]
+    reports = RunDir(run_dir).probe_reports()
     where = site.source or site.name
     found = []
     iface = site.network.interface
@@ -149,7 +149,7 @@ def record(site: Site, run_dir: Path, spec_nodes: int) -> None:
 
     from hpcrun.results import write_attempt
 
-    reports = [json.loads(p.read_text()) for p in sorted(run_dir.glob("probe-rank*.json"))]
+    reports = RunDir(run_dir).probe_reports()
     if not reports or "allreduce" not in reports[0]:
         return
     table = reports[0]["allreduce"]

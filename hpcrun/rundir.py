@@ -195,6 +195,15 @@ class RunDir:
         """A rank's log of a job (an array's logs sit in its sweep's log folder)."""
         return Path(folder or self.logs) / f"{job_id}_{rank}_log.{stream}"
 
+    def probe_report(self, rank: int) -> Path:
+        """What one rank of a `hpcrun doctor` probe job saw."""
+        return self.path / f"probe-rank{rank:05d}.json"
+
+    def probe_reports(self) -> list[dict[str, tp.Any]]:
+        """Every rank's probe report, in rank order; a corrupt one is refused with its name."""
+        paths = sorted(self.path.glob("probe-rank*.json"))
+        return [report for path in paths if isinstance(report := read_json(path, None), dict)]
+
     def is_run(self) -> bool:
         return self.spec.exists()
 

@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from hpcrun.rundir import write_json
+from hpcrun.rundir import RunDir, write_json
 
 SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
@@ -40,7 +40,7 @@ def main() -> None:
         "interfaces": [n for _, n in socket.if_nameindex()], "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     }
-    out = run_dir / f"probe-rank{rank:05d}.json"
+    out = RunDir(run_dir).probe_report(rank)
     write_json(out, report)  # written before connecting: a wrong interface still reports
     if iface and report["address"] is None:
         raise SystemExit(f"rank {rank} on {report['node']}: interface {iface!r} has no IPv4 address here (interfaces: {report['interfaces']})")
