@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrun.rundir import RunDir
 from hpcrun.runtime.watchdog import EXIT_HUNG, FLOOR_S, derived_timeout
 from tests.helpers import ROOT
 
@@ -40,6 +41,9 @@ def test_watchdog_ends_a_rank_stuck_in_its_step(tmp_path: Path) -> None:
     assert "silent ranks: rank 1 (no heartbeat)" in out.stderr
     beat = json.loads((tmp_path / "heartbeats" / "7-0-rank0.json").read_text())
     assert beat["step"] == 0
+    (record,) = RunDir(tmp_path).exit_records("7", 0)  # what the attempt's one record will say
+    said = json.loads(record.read_text())
+    assert said["error"] == "hung (no step progress for fault.hang_timeout_s); silent: rank 1" and said["step"] == 1, said
     assert took < 30
 
 
@@ -70,12 +74,20 @@ def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path) 
     ranks' watchdogs fire within 120 s, their stacks are in the run's logs, the job requeues
     and completes with the weights of an uninterrupted run."""
     from tests import faults
-    from tests.runs import hpcrun, recipe, run_dir_of, site_copy
+    from tests.runs import recipe, rows, run_dir_of, site_copy
     from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, submit, wait_checkpoint, wait_done
 
     began = time.monotonic()
     resources = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
     run_dir, job = submit(tmp_path, "hung", resources=resources, fault={"hang_timeout_s": 60})
+    # the uninterrupted baseline: 4 ranks on this machine (same world size, same numbers), run
+    # while the cluster job hangs and requeues
+    partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
+    local = site_copy(tmp_path, partitions={"local": partition})
+    whole = recipe(tmp_path, "hung-whole", job=PAUSED | {"args": {"step_delay_s": 0.0, "model": "tiny"}}, training=TRAINING,
+                   checkpoint=CHECKPOINT, resources={"nodes": 1, "gpus_per_node": 4, "time": "00:10:00"})
+    baseline_run = subprocess.Popen([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(local), "--wait", str(whole)],
+                                    stdout=subprocess.PIPE, text=True, cwd=ROOT)
     wait_checkpoint(run_dir)
     faults.signal_rank(job, 3, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -87,10 +99,13 @@ def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path) 
     assert ended < 120 + 10, ended  # 60 s timeout, 1 s polling, srun's teardown
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
     assert logs.count("hung: no step progress for 60 s") >= 2, logs[-3000:]  # every rank that can run
-    assert "Thread" in logs and "silent ranks" in logs and "rank 3 on" in logs
+    assert "Thread" in logs and "silent ranks: rank 3 on" in logs, logs[-3000:]
+    failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
+    assert len(failed) == 1 and "hung (no step progress" in failed[0]["reason"] and "silent: rank 3 on" in failed[0]["reason"], failed
     final = wait_done(run_dir, timeout=400)
     assert final["status"] == "completed", final
-    whole = recipe(tmp_path, "hung-whole", job=PAUSED | {"args": {"step_delay_s": 0.0, "model": "tiny"}}, training=TRAINING, checkpoint=CHECKPOINT, resources=resources)
-    baseline = run_dir_of(hpcrun("submit", "--site", str(site_copy(tmp_path, "testcluster")), "--wait", str(whole)))
+    out, _ = baseline_run.communicate(timeout=600)
+    assert baseline_run.returncode == 0, out
+    baseline = run_dir_of(subprocess.CompletedProcess([], 0, out, ""))
     assert (run_dir / "weights.sha256").read_text() == (baseline / "weights.sha256").read_text()
     print(f"duration {time.monotonic() - began:.0f} s (attempt ended {ended:.0f} s after SIGSTOP)")

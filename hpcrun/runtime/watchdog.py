@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from hpcrun.rundir import RunDir, atomic_write
+from hpcrun.runtime import failure
 
 EXIT_HUNG = 75
 FLOOR_S = 300.0  # the derived timeout's floor: slower saves and evaluation steps are not hangs
@@ -105,6 +106,10 @@ class Watchdog:
         if silent:
             err.write(f"[hpcrun rank {self.rank}] silent ranks: {'; '.join(silent)}\n")
         err.flush()
+        # the attempt's one record (hpcrun.runtime.failure) reads why this rank ended; no
+        # seconds in it, so the same hang at the same step twice is recognised as the same failure
+        who = "; silent: " + ", ".join(s.split(" (")[0] for s in silent) if silent else ""
+        failure.write_exit_record(self.run_dir, self.job_id, self.restart, self.rank, f"hung (no step progress for fault.hang_timeout_s){who}", self.step + 1, {})
         os._exit(EXIT_HUNG)  # the stuck main thread never reaches a clean exit
 
     def silent_ranks(self, timeout: float) -> list[str]:
