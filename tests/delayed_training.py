@@ -14,9 +14,7 @@ from __future__ import annotations
 import time
 import typing as tp
 
-import torch
-
-from hpcrun.runtime.model import GPT, synthetic_batch
+from hpcrun.runtime.jobs import builtin_benchmark
 from hpcrun.sizes import SIZES
 
 
@@ -29,20 +27,7 @@ def entrypoint_job(root: str, step_delay_s: float, model: str = "tiny") -> dict[
 
 
 def train(ctx: tp.Any) -> None:
-    """What the built-in benchmark does (same model, data and optimizer), plus the pause."""
-    training = ctx.recipe.training
+    """The built-in benchmark (same model, data and optimizer), with the pause inside each step:
+    a signal usually lands mid-step, as on a real cluster."""
     delay = float(ctx.args["step_delay_s"])
-    size = SIZES[ctx.args.get("model", "tiny")]
-    torch.manual_seed(training.seed)
-    model = GPT(size, training.seq_len, training.activation_checkpointing)
-    engine = ctx.setup(model, lambda params: torch.optim.AdamW(params, lr=training.lr, betas=(0.9, 0.95), weight_decay=0.0))
-    mb, accum = training.micro_batch, training.grad_accum
-    for step in ctx.steps():
-        losses = []
-        for m in range(accum):
-            first = (m * ctx.world_size + ctx.rank) * mb  # this rank's slice of the global batch
-            tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
-            losses.append(engine.micro_step(tokens.to(ctx.device), targets.to(ctx.device), last=m == accum - 1))
-        engine.optimizer_step()
-        ctx.record_loss(sum(losses) / len(losses))
-        time.sleep(delay)  # inside the step: a signal usually lands mid-step, as on a real cluster
+    builtin_benchmark(ctx, SIZES[ctx.args.get("model", "tiny")], after_step=lambda step: time.sleep(delay))

@@ -16,14 +16,17 @@ import torch
 
 from hpcrun.recipe import CommandJob, EntrypointJob
 from hpcrun.runtime.context import Context
+from hpcrun.sizes import GPTSize
 
 
-def builtin_benchmark(ctx: Context) -> None:
-    """The GPT benchmark: synthetic tokens, AdamW, the recipe's strategy and precision."""
+def builtin_benchmark(ctx: Context, size: GPTSize | None = None, after_step: tp.Callable[[int], None] | None = None) -> None:
+    """The GPT benchmark: synthetic tokens, AdamW, the recipe's strategy and precision. An
+    entrypoint may run it with a model `size` of its own and an `after_step` hook (the tests'
+    time-bounded jobs pause there)."""
     from hpcrun.runtime.model import GPT, synthetic_batch
 
     training = ctx.recipe.training
-    size = ctx.spec.size
+    size = size or ctx.spec.size
     assert size is not None, "a benchmark job's spec always names its model"
     torch.manual_seed(training.seed)
     # meta-device init would discard weights handed over from a previous stage
@@ -42,6 +45,8 @@ def builtin_benchmark(ctx: Context) -> None:
         ctx.record_loss(sum(losses) / len(losses))
         if ctx.env.is_main and (step + 1) % training.log_interval == 0:
             ctx.info(f"step {step + 1}/{training.steps} loss {losses[-1]:.4f}")
+        if after_step is not None:
+            after_step(step)
 
 
 def user_entrypoint(ctx: Context) -> None:
