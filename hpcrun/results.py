@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from hpcrun.rundir import atomic_path
 from hpcrun.steps import STEPS, load_steps, resolve_dir
+from hpcrun.tables import arrow_table
 
 __all__ = ["SCHEMA", "compact", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
 
@@ -43,17 +44,8 @@ SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("ext
 
 
 def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
-    """Rows as an Arrow table of exactly SCHEMA; an unknown column is an error, not a new column."""
-    unknown = {k for r in rows for k in r} - set(SCHEMA.names)
-    if unknown:
-        raise ValueError(f"columns not in the results schema: {sorted(unknown)}")
-    cols = {}
-    for field in SCHEMA:
-        values = [r.get(field.name) for r in rows]
-        if field.name == "extra":
-            values = [list((v or {}).items()) for v in values]
-        cols[field.name] = pa.array(values, type=field.type)
-    return pa.table(cols, schema=SCHEMA)
+    """Rows as an Arrow table of exactly SCHEMA."""
+    return arrow_table(rows, SCHEMA, "results")
 
 
 def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hpcrun.rundir import atomic_path
+from hpcrun.tables import arrow_table
 
 if tp.TYPE_CHECKING:
     import pandas as pd
@@ -59,17 +60,8 @@ def batch_path(results_dir: str | Path, run_id: str, job_id: str, restart: int, 
 
 
 def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
-    """Rows as an Arrow table of exactly SCHEMA; an unknown column is an error."""
-    unknown = {k for r in rows for k in r} - set(SCHEMA.names)
-    if unknown:
-        raise ValueError(f"columns not in the steps schema: {sorted(unknown)}")
-    cols = {}
-    for field in SCHEMA:
-        values = [r.get(field.name) for r in rows]
-        if field.name == "extra":
-            values = [list((v or {}).items()) for v in values]
-        cols[field.name] = pa.array(values, type=field.type)
-    return pa.table(cols, schema=SCHEMA)
+    """Rows as an Arrow table of exactly SCHEMA."""
+    return arrow_table(rows, SCHEMA, "steps")
 
 
 def write_batch(results_dir: str | Path, rows: list[dict[str, tp.Any]], seq: int) -> Path:
