@@ -74,7 +74,7 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
 def test_time_limit_requeues_until_done(shared: Path) -> None:
     """A job whose work outlasts its 1-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    long = {**TRAINING, "steps": 500}  # with a 0.2 s pause per step, >= 100 s: past the 60-90 s where USR2 comes
+    long = {**TRAINING, "steps": 400}  # with a 0.2 s pause per step, >= 80 s: past the 60-90 s where USR2 comes, less ~15 s start-up
     # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
     # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
