@@ -19,9 +19,6 @@ from hpcrun.plan import RunSpec
 from hpcrun.render import render, render_array
 from hpcrun.rundir import CorruptStateError, RunDir, atomic_write
 
-# kept for callers that have not moved to hpcrun.rundir yet
-SCRIPT_FILE = "script.sh"
-
 
 def prepare(spec: RunSpec, script: str | None = None) -> Path:
     """Write the run directory: the resolved RunSpec and the script (an array's script for a

@@ -10,7 +10,7 @@ from pathlib import Path
 from hpcrun import slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
-from hpcrun.status import alive
+from hpcrun.status import controller_alive
 
 
 def cancel(run_dir: Path) -> str:
@@ -19,7 +19,7 @@ def cancel(run_dir: Path) -> str:
     if job is None:
         raise HpcrunError("no job was submitted for this run (a dry run?), so there is nothing to cancel", run_dir)
     if job["scheduler"] == "local":
-        if alive(job["job_id"]):
+        if controller_alive(job["job_id"], run_dir):  # not a process that reused the pid since
             os.kill(int(job["job_id"]), signal.SIGTERM)
         return str(job["job_id"])
     out = slurm.run(["scancel", job["job_id"]])

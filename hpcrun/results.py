@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from hpcrun.rundir import atomic_path
+from hpcrun.rundir import atomic_path, compact_lock
 from hpcrun.steps import STEPS, load_steps, resolve_dir
 from hpcrun.tables import arrow_table
 
@@ -136,11 +136,9 @@ def compact(results_dir: str | Path) -> tuple[int, int]:
     file becomes visible (atomic rename) before the originals are removed, so a reader sees
     every row at every moment (copies meanwhile are dropped by `attempt_id`). A lock keeps two
     compactions from merging the same files. Returns (files merged, rows written)."""
-    from filelock import FileLock
-
     directory = Path(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(directory / ".compact.lock")):
+    with compact_lock(directory):
         inputs = files(directory)
         if len(inputs) <= 1:
             return 0, 0

@@ -181,12 +181,12 @@ class RunDir:
     def heartbeat(self, job_id: str, restart: int, rank: int) -> Path:
         """A rank's last completed step and when (hpcrun.runtime.watchdog): how the ranks whose
         watchdog fires name the rank that went silent."""
-        return self.path / "heartbeats" / f"{job_id}-{restart}-rank{rank}.json"
+        return self.path / HEARTBEATS / f"{job_id}-{restart}-rank{rank}.json"
 
     @property
     def flight_recorder(self) -> Path:
         """Where PyTorch's NCCL flight recorder dumps its per-rank traces on a timeout."""
-        return self.path / "flight-recorder"
+        return self.path / FLIGHT_RECORDER
 
     def exit_records(self, job_id: str, restart: int) -> list[Path]:
         return sorted((self.path / EXITS).glob(f"{job_id}-{restart}-rank*.json"))
@@ -201,8 +201,13 @@ class RunDir:
 
     def probe_reports(self) -> list[dict[str, tp.Any]]:
         """Every rank's probe report, in rank order; a corrupt one is refused with its name."""
-        paths = sorted(self.path.glob("probe-rank*.json"))
-        return [report for path in paths if isinstance(report := read_json(path, None), dict)]
+        reports = []
+        for path in sorted(self.path.glob("probe-rank*.json")):
+            report = read_json(path, None)
+            if not isinstance(report, dict):
+                raise CorruptStateError(path, "not a JSON object")
+            reports.append(report)
+        return reports
 
     def is_run(self) -> bool:
         return self.spec.exists()
@@ -241,6 +246,11 @@ class RunDir:
                 return
             write_json(self.state_file, state)
 
+    # after the run ----------------------------------------------------------------------
+    def consolidated(self, step: int) -> Path:
+        """`hpcrun checkpoint consolidate`'s one fp32 state dict of checkpoint `step`."""
+        return self.path / f"{CONSOLIDATED}-step-{step:08d}.pt"
+
 
 def sweep_dir(runs_dir: str | Path, sweep_id: str) -> Path:
     """`<runs_dir>/sweeps/<sweep id>/`: the sweep's ledger and its arrays' logs."""
@@ -252,3 +262,14 @@ def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
     with the scheduler's id of the allocation (SLURM_JOB_ID, unique per array task). The sbatch
     template creates and removes it with the same spelling (`nvme_dir_pattern`)."""
     return f"{nvme_base}/hpcrun-{allocation_id}"
+
+
+def compact_lock(results_dir: Path) -> FileLock:
+    """The lock that keeps two compactions of one results directory from merging the same files."""
+    return FileLock(str(results_dir / COMPACT_LOCK))
+
+
+HEARTBEATS = "heartbeats"
+FLIGHT_RECORDER = "flight-recorder"
+CONSOLIDATED = "consolidated"
+COMPACT_LOCK = ".compact.lock"

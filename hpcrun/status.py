@@ -10,7 +10,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import progress, slurm
+from hpcrun import localjob, progress, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.progress import Progress
 from hpcrun.rundir import RunDir
@@ -118,6 +118,25 @@ def alive(pid: str) -> bool:
         return Path(f"/proc/{number}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def controller_alive(pid: str, run_dir: Path) -> bool:
+    """Whether `pid` still runs as this run's local controller (`python -m hpcrun.localjob <run
+    dir>`, from its /proc cmdline): the pid recorded in jobs.json may since have been reused by
+    another process, which `cancel` must never signal."""
+    if not alive(pid):
+        return False
+    proc = Path(f"/proc/{int(pid)}")
+    try:
+        words = [os.fsdecode(w) for w in (proc / "cmdline").read_bytes().split(b"\0")]
+        if localjob.__name__ not in words[:-1]:
+            return False
+        given = words[words.index(localjob.__name__) + 1]
+        if not os.path.isabs(given):  # relative to the controller's own working directory
+            given = os.path.join(os.readlink(proc / "cwd"), given)
+    except OSError:
+        return False
+    return os.path.realpath(given) == os.path.realpath(run_dir)
 
 
 def statuses(run_dirs: list[Path]) -> list[RunStatus]:

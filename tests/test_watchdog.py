@@ -62,6 +62,56 @@ def test_watchdog_quiet_while_steps_progress(tmp_path: Path) -> None:
     assert out.returncode == 0 and "hung" not in out.stderr, out.stderr
 
 
+def quiet(tmp_path: Path, body: str) -> None:
+    """`body` runs with `dog`, a Watchdog of a 2 s fixed timeout, and must end without firing."""
+    code = textwrap.dedent("""
+        import time
+        from hpcrun.rundir import RunDir
+        from hpcrun.runtime.watchdog import Watchdog
+        dog = Watchdog(RunDir({path!r}), "7", 0, 0, 1, timeout_s=2)
+    """).format(path=str(tmp_path)) + textwrap.dedent(body) + "dog.stop()\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "hung" not in out.stderr, (out.returncode, out.stderr)
+
+
+def test_watchdog_does_not_time_the_first_step(tmp_path: Path) -> None:
+    """A first step (compilation, communicators' setup) twice the fixed timeout is not a hang."""
+    quiet(tmp_path, """
+        time.sleep(4.5)
+        dog.beat(0, 4.5)
+        time.sleep(0.5)
+        dog.beat(1, 0.5)
+    """)
+
+
+def test_watchdog_quiet_during_a_long_save(tmp_path: Path) -> None:
+    """A blocking save twice the fixed timeout after a step that already took most of it."""
+    quiet(tmp_path, """
+        dog.beat(0, 0.1)
+        time.sleep(1.5)
+        dog.beat(1, 1.5)
+        with dog.saving():
+            time.sleep(4.5)
+        time.sleep(1.5)
+        dog.beat(2, 1.5)
+    """)
+
+
+def test_watchdog_times_steps_again_after_a_save(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import threading
+        from hpcrun.rundir import RunDir
+        from hpcrun.runtime.watchdog import Watchdog
+        dog = Watchdog(RunDir({str(tmp_path)!r}), "7", 0, 0, 1, timeout_s=2)
+        dog.beat(0, 0.1)
+        with dog.saving():
+            pass
+        threading.Event().wait()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == EXIT_HUNG and "hung: no step progress for 2 s after step 1" in out.stderr, out.stderr
+
+
 def test_derived_timeout_has_a_floor() -> None:
     assert derived_timeout([0.1, 0.2, 0.1, 0.3, 0.1]) == FLOOR_S
     assert derived_timeout([30.0, 31.0, 29.0, 30.0, 30.0]) == 600.0

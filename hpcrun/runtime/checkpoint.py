@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 
 from hpcrun import __version__
+from hpcrun.rundir import RunDir, atomic_path
 from hpcrun.runtime.env import DistEnv
 
 MANIFEST = "manifest.json"
@@ -269,27 +270,30 @@ def state_digest(state: tp.Mapping[str, torch.Tensor]) -> str:
 def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
     """One fp32 state dict (`consolidated-step-N.pt`) from the newest complete checkpoint (or
     `step`): ZeRO partitions through DeepSpeed's zero_to_fp32, DCP shards through torch's
-    converter. Runs on one process, without the job's world size. Returns (file, digest)."""
-    root = run_dir / "checkpoints"
+    converter. Runs on one process, without the job's world size. Returns (file, digest).
+    The file appears whole or not at all, and a failure leaves no temporary file behind."""
+    run = RunDir(run_dir)
+    root = run.checkpoints
     found = dict(complete(root))
     if not found:
         raise FileNotFoundError(f"{root}: no complete checkpoint")
     chosen = step if step is not None else max(found)
     path = found[chosen]
     manifest = json.loads((path / MANIFEST).read_text())
-    if manifest["strategy"] == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    out = run.consolidated(chosen)
+    with atomic_path(out) as tmp:
+        if manifest["strategy"] == "deepspeed":
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path / "state"), tag="state")
-    else:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path / "state"), tag="state")
+        else:
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        tmp = run_dir / ".consolidate.tmp.pt"
-        dcp_to_torch_save(str(path / "state"), str(tmp))
-        state = torch.load(tmp, weights_only=False)["model"]
-        tmp.unlink()
-    out = run_dir / f"consolidated-step-{chosen:08d}.pt"
-    torch.save(state, out)
+            # torch's converter writes the whole checkpoint (optimizer too) to one file; the
+            # model part then replaces it under the same temporary name
+            dcp_to_torch_save(str(path / "state"), str(tmp))
+            state = torch.load(tmp, weights_only=False)["model"]
+        torch.save(state, tmp)
     return out, state_digest(state)
 
 

@@ -98,9 +98,10 @@ class Context:
                     recorder.flush()
                 # a step's time includes hpcrun's own per-step work and a flush; a save's stall is counted apart
                 self.measured.step_times.append(time.perf_counter() - start)
-                if saving:
-                    self.save(done, block=done == total or bool(stop))
                 watchdog.beat(step, self.measured.step_times[-1])
+                if saving:
+                    with watchdog.saving():  # a long save is not a hang
+                        self.save(done, block=done == total or bool(stop))
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
                     self.info(f"{self.stopped}: saved step {done}, stopping for requeue")

@@ -8,10 +8,16 @@ silent, and ends the process with EXIT_HUNG. A non-zero exit ends the job step (
 --kill-on-bad-exit), and the attempt is recorded and requeued like any failed one. A rank that is
 stopped (SIGSTOP) cannot dump its own stack; its peers, waiting for it in a collective, fire
 instead and name it from its stale heartbeat file.
+
+Only steps are timed. The first step (compilation, the first collectives' setup) and checkpoint
+saves may take far longer than a step without being hung, so neither counts against the timeout:
+the clock starts at the first step's end and restarts when a save ends. A collective that never
+completes in either is still ended by the process group's timeout (fault.collective_timeout_s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -20,6 +26,7 @@ import statistics
 import sys
 import threading
 import time
+import typing as tp
 from pathlib import Path
 
 from hpcrun.rundir import RunDir, atomic_write
@@ -49,7 +56,8 @@ def flight_recorder_env(run_dir: RunDir) -> None:
 
 
 class Watchdog:
-    """Started by the training loop at its first step; `beat` after every step."""
+    """Started by the training loop at its first step; `beat` after every step, and every save
+    made inside `saving()`."""
 
     def __init__(self, run_dir: RunDir, job_id: str, restart: int, rank: int, world_size: int, timeout_s: float | None) -> None:
         self.run_dir, self.job_id, self.restart, self.rank, self.world_size = run_dir, job_id, restart, rank, world_size
@@ -58,7 +66,8 @@ class Watchdog:
         self.step_times: list[float] = []
         self.last = time.monotonic()
         self.last_wall = time.time()
-        self.step = -1
+        self.step = -1  # no step completed yet: not timed (see the module's docstring)
+        self.saves = 0  # saves in progress: not timed
         self.written = 0.0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hpcrun-watchdog", daemon=True)
@@ -75,13 +84,24 @@ class Watchdog:
             if len(self.step_times) >= MEASURED:
                 self.timeout_s = derived_timeout(self.step_times)
 
+    @contextlib.contextmanager
+    def saving(self) -> tp.Iterator[None]:
+        """A checkpoint save: not timed, and the step clock restarts when it ends."""
+        self.saves += 1
+        try:
+            yield
+        finally:
+            self.last = time.monotonic()
+            self.saves -= 1
+
     def stop(self) -> None:
         self.done.set()
 
     def _watch(self) -> None:
         while not self.done.wait(1.0):
             timeout = self.timeout_s
-            if timeout is not None and time.monotonic() - self.last > timeout:
+            timed = self.step >= 0 and not self.saves
+            if timeout is not None and timed and time.monotonic() - self.last > timeout:
                 self.fire(timeout)
             if time.monotonic() - self.written >= HEARTBEAT_S:
                 self.heartbeat()
