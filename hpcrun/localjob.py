@@ -27,7 +27,9 @@ from pathlib import Path
 
 from hpcrun.rundir import RunDir
 
-KILL_WAIT_S = 20.0  # as SLURM's default KillWait: time for ranks to save after SIGTERM
+# Time for ranks to save after SIGTERM before SIGKILL. SLURM's default KillWait is 30 s; this is
+# the test cluster's KillWait (20 s), the shorter one: a job that stops in time here does there.
+KILL_WAIT_S = 20.0
 POLL_S = 0.2
 
 

@@ -228,7 +228,7 @@ class RunDir:
         with lock(self.jobs_file):
             jobs = self.jobs()
             jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time(), **extra})
-            atomic_write(self.jobs_file, json.dumps(jobs, indent=1) + "\n")
+            write_json(self.jobs_file, jobs)
 
     # the runtime's marker ----------------------------------------------------------------
     def state(self) -> dict[str, tp.Any]:
@@ -238,13 +238,14 @@ class RunDir:
             raise CorruptStateError(self.state_file, "not a JSON object")
         return state
 
-    def update_state(self, state: dict[str, tp.Any], keep: tp.Callable[[dict[str, tp.Any]], bool] | None = None) -> None:
-        """Replace state.json under its lock, unless `keep(current)` says the current one stays."""
+    def update_state(self, merge: tp.Callable[[dict[str, tp.Any]], dict[str, tp.Any] | None]) -> None:
+        """Read, decide and write state.json under its lock: `merge(current)` returns the new
+        state, or None to keep the current one. Deciding outside the lock would let two writers
+        (a rank and the failure step, the login node) each overwrite what the other just said."""
         with lock(self.state_file):
-            current = self.state()
-            if keep is not None and keep(current):
-                return
-            write_json(self.state_file, state)
+            new = merge(self.state())
+            if new is not None:
+                write_json(self.state_file, new)
 
     # after the run ----------------------------------------------------------------------
     def consolidated(self, step: int) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import typing as tp
 from pathlib import Path
 
 from hpcrun.errors import HpcrunError, SubmissionError
@@ -22,6 +23,14 @@ def run(cmd: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProce
         raise HpcrunError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
     except subprocess.TimeoutExpired as exc:
         raise HpcrunError(f"{cmd[0]} did not answer within {timeout:.0f} s: is slurmctld reachable?") from exc
+
+
+def job_id(environ: tp.Mapping[str, str]) -> str:
+    """The id SLURM's tools take for the job these variables describe: `<array>_<index>` for
+    an array task (SLURM_JOB_ID is then the task's own allocation), else SLURM_JOB_ID. The one
+    spelling: the ranks, the failure step and requeue all use it."""
+    array = environ.get("SLURM_ARRAY_JOB_ID")
+    return f"{array}_{environ['SLURM_ARRAY_TASK_ID']}" if array else environ["SLURM_JOB_ID"]
 
 
 def require(tool: str, why: str) -> None:

@@ -30,9 +30,10 @@ def environ(pid: int) -> dict[str, str]:
 
 
 def rank_pid(allocation_id: str, rank: int, timeout: float = 60) -> tuple[int, str]:
-    """The pid of `rank`'s task (python -m hpcrun.launch) in job `allocation_id`, and its node."""
+    """The pid of `rank`'s task (python -m hpcrun.launch) in job `allocation_id`, and its node.
+    Looks at least once (timeout=0: one look), then until `timeout` s have passed."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    while True:
         for node in NODES:
             for pid in node_pids(node):
                 env = environ(pid)
@@ -43,6 +44,8 @@ def rank_pid(allocation_id: str, rank: int, timeout: float = 60) -> tuple[int, s
                         continue
                     if b"hpcrun.launch" in cmd:
                         return pid, node
+        if time.time() >= deadline:
+            break
         time.sleep(0.5)
     raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {NODES}")
 

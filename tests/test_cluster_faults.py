@@ -74,6 +74,7 @@ def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path)
     run_dir, job = submit(tmp_path, "killed-rank", resources=two_nodes)
     wait_checkpoint(run_dir)
     faults.rank_pid(job, 3)  # all four ranks running
+    assert ranks_alive(job, 4) == [0, 1, 2, 3], ranks_alive(job, 4)  # the check below can see a live rank
     node = faults.signal_rank(job, 3, signal.SIGKILL)
     killed = time.time()
     while ranks_alive(job, 4) and time.time() - killed < 30:

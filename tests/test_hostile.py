@@ -3,7 +3,9 @@ naming the file and field, or rendered so that `bash -n` passes and running the 
 the scheduler's tools stubbed at the process boundary) executes nothing that was injected,
 carries no extra #SBATCH directive, exits 0 and reaches its last line: the stub srun logs the
 task's launch. The sites' setup line sources a file the test creates, so the script does not
-stop there. `environment.python` is covered as a string and as a list of words."""
+stop there. Each hostile script is also run with a failing srun, so the failure step after it
+runs too: it must be started with exactly the site's interpreter words, handed srun's messages,
+and inject nothing. `environment.python` is covered as a string and as a list of words."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import copy
 import shlex
 import stat
 import subprocess
+import sys
 import typing as tp
 from pathlib import Path
 
@@ -32,6 +35,15 @@ PAYLOADS = [
 STUBS = ["srun", "sbatch", "module", "python", "apptainer", "singularity", "enroot"]
 STUB = """#!/bin/sh
 {{ printf '%s' "$(basename "$0")"; printf ' %s' "$@"; echo " | MASTER_ADDR=$MASTER_ADDR MY_FLAG=$MY_FLAG"; }} >>{log}
+"""
+# srun also keeps each call's exact words (NUL-separated, one file per call), and the failure
+# step's stdin; the launch exits with {status} after srun's message for a failed task.
+SRUN_STUB = STUB + """call=$(mktemp {calls}/call.XXXXXX)
+printf '%s\\0' "$@" >"$call"
+case " $* " in
+  *" -m hpcrun.runtime.failure "*) cat >"$call.stdin" ;;
+  *" -m hpcrun.launch "*) if [ {status} -ne 0 ]; then echo "srun: error: node1: task 0: Exited with exit code {status}" >&2; exit {status}; fi ;;
+esac
 """
 # Site setup lines are the site's own shell by design: they are checked for newlines only.
 SITE_SHELL = {"environment.setup"}
@@ -70,16 +82,22 @@ def directives(script: str) -> list[str]:
     return names
 
 
-def run_script(script: str, tmp: Path) -> tuple[int, str]:
+def run_script(script: str, tmp: Path, srun_status: int = 0) -> tuple[int, str]:
     """Run `script` as sbatch would start it, with stubs for the scheduler's and the site's
-    tools on PATH; (exit status, the stubs' call log)."""
+    tools on PATH (the launch srun exiting `srun_status`); (exit status, the stubs' call log)."""
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
     log = tmp / "calls.log"
     log.unlink(missing_ok=True)
+    calls = tmp / "srun-calls"
+    if calls.exists():
+        for old in calls.iterdir():
+            old.unlink()
+    calls.mkdir(exist_ok=True)
     for name in STUBS:
         stub = bindir / name
-        stub.write_text(STUB.format(log=shlex.quote(str(log))))
+        text = SRUN_STUB if name == "srun" else STUB
+        stub.write_text(text.format(log=shlex.quote(str(log)), calls=shlex.quote(str(calls)), status=srun_status))
         stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     (bindir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bindir / "scontrol").chmod(0o755)
@@ -98,6 +116,43 @@ def run_script(script: str, tmp: Path) -> tuple[int, str]:
     }
     out = subprocess.run(["bash", str(path)], env=env, cwd=tmp, capture_output=True, text=True, timeout=30)
     return out.returncode, (log.read_text() if log.exists() else "") + out.stderr
+
+
+def srun_calls(tmp: Path) -> list[tuple[list[str], str | None]]:
+    """Every srun call's exact words, and what it read on stdin (the failure step only)."""
+    found = []
+    for call in sorted((tmp / "srun-calls").glob("call.??????")):
+        stdin = call.with_name(call.name + ".stdin")
+        found.append((call.read_text().split("\0")[:-1], stdin.read_text() if stdin.exists() else None))
+    return found
+
+
+def python_words(site: dict[str, tp.Any]) -> list[str]:
+    """The interpreter words the site names (a string is split as the shell would: the site
+    model does so; hpcrun's own interpreter when it names none)."""
+    python = site["environment"].get("python")
+    return shlex.split(python) if isinstance(python, str) else list(python or [sys.executable])
+
+
+def check_failure_step(tmp: Path, site: dict[str, tp.Any], what: str) -> None:
+    """The failure step ran once, as srun's task, as the site's interpreter words exactly (each
+    one word, whatever it holds), on the run directory and the step's status, with srun's
+    messages on its stdin."""
+    calls = srun_calls(tmp)
+    steps = [(words, stdin) for words, stdin in calls if "hpcrun.runtime.failure" in words]
+    (launch,) = [words for words, _ in calls if "hpcrun.launch" in words]
+    assert len(steps) == 1, f"{what}: {calls}"
+    words, stdin = steps[0]
+    python = python_words(site)
+    expected = [*python, "-m", "hpcrun.runtime.failure", launch[-1], "1"]  # launch[-1]: the run directory
+    assert words[-len(expected):] == expected, f"{what}: {words}"
+    # inside the ranks' container: after srun's own options, the same words as the launch line's
+    wrapper = words[: -len(expected)][4:]
+    launch_error = next(i for i, w in enumerate(launch) if w.startswith("--error="))
+    assert wrapper == launch[launch_error + 1: -len(python) - 4], f"{what}: {words} vs {launch}"
+    if site["environment"].get("container"):
+        assert wrapper and wrapper[-1] == site["environment"]["container"]["image"], f"{what}: {words}"
+    assert stdin == "srun: error: node1: task 0: Exited with exit code 1\n", f"{what}: {stdin!r}"
 
 
 def launched(calls: str) -> bool:
@@ -163,6 +218,11 @@ def test_hostile_value(kind: str, base: dict[str, tp.Any], field: str, tmp_path:
         assert not mark.exists(), f"{field}={payload!r} executed an injected command"
         assert status == 0, f"{field}={payload!r}: the script exited {status}\n{calls}"
         assert launched(calls), f"{field}={payload!r}: the script stopped before its srun line\n{calls}"
+        assert not [w for w, _ in srun_calls(tmp_path) if "hpcrun.runtime.failure" in w], "failure step after a good step"
+        status, calls = run_script(script, tmp_path, srun_status=1)
+        assert not mark.exists(), f"{field}={payload!r} executed an injected command (failed step)"
+        assert status == 1 and launched(calls), f"{field}={payload!r}: the failed step's script exited {status}\n{calls}"
+        check_failure_step(tmp_path, data if kind == "site" else site, f"{field}={payload!r}")
 
 
 def test_setup_lines_reject_newlines(tmp_path: Path) -> None:

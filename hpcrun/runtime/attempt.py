@@ -4,7 +4,6 @@ of the final weights. The loop itself is hpcrun.runtime.context and hpcrun.runti
 
 from __future__ import annotations
 
-import os
 import typing as tp
 
 import torch
@@ -48,22 +47,18 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
             failure.write_exit_record(ctx.run_dir, env.job_id, env.restart_count, env.rank, reason, ctx.step,
                                       result_row(ctx, status, reason, peak_memory_bytes(ctx.device)))
-            raise
-        cap = spec.recipe.checkpoint.max_requeues
-        retry = spec.scheduler == "slurm" and env.restart_count < cap
-        if spec.scheduler == "slurm" and not retry:
-            reason += f"; requeue cap reached ({cap} requeues)"
-        finish(ctx, status, reason + ("; requeued" if retry else ""), collective=False)
-        if retry:  # a crash counts against the cap like a timeout: transient faults recover, bugs stop
-            requeue_now(env, ctx.run_dir)
+        else:  # locally the first failing rank records the attempt (finish keeps the first)
+            finish(ctx, status, reason, collective=False)
         raise
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
     row = finish(ctx, status, reason, collective=True)
+    if status == "requeued" and env.is_main:
+        # before destroy_process_group: a rank that exits badly meanwhile gets rank 0 killed
+        # (--kill-on-bad-exit); then the failure step, seeing `requeued`, requeues instead
+        requeue_now(env, ctx.run_dir)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if status == "requeued" and env.is_main:
-        requeue_now(env, ctx.run_dir)  # last: requeueing ends this job's processes
     return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
 
 
@@ -83,14 +78,14 @@ def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     """Requeue this job, unless SLURM is already doing so (preemption requeues by itself, and
     twice would count twice). SLURM holds a requeued job for the site's `AuthInfo=cred_expire`
     (120 s by default) before it may start again: a floor on requeue latency set by the site."""
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else env.job_id
-    failure.requeue(run_dir, job)
+    failure.requeue(run_dir, env.job_id)  # env.job_id is hpcrun.slurm.job_id: `<array>_<index>` for array tasks
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
-    """Gather across ranks (when all are alive) and write this attempt's results row, its
-    losses and state.json (rank 0, or any failing rank, since a failed rank 0 may never get here)."""
+    """Gather across ranks (when all are alive) and write this attempt's state.json, its results
+    row and its losses (rank 0, or locally the first failing rank, since a failed rank 0 may
+    never get here). One row per attempt: a writer that finds the attempt failed already
+    writes nothing."""
     m = ctx.measured
     m.checkpoint_writes = ctx.checkpoints.write_times
     peak = peak_memory_bytes(ctx.device)
@@ -103,18 +98,24 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     if not (ctx.env.is_main or not collective):
         return {}
     row = result_row(ctx, status, reason, peak)
+    job_id, restart = ctx.env.job_id, ctx.env.restart_count
+    attempt = {"status": status, "reason": reason, "job_id": job_id, "restart_count": restart, "step": row["last_step"]}
+    wrote = False
+
+    def merge(current: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
+        # one failed rank fails the attempt, whatever the ranks that finished write after it
+        nonlocal wrote
+        if (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get("status") == "failed":
+            return None
+        wrote = True
+        return {**attempt, **failure.run_long(current)}  # failed and excluded nodes stay the run's
+
+    ctx.run_dir.update_state(merge)
+    if not wrote:
+        return {}
     from hpcrun.results import write_attempt
 
     write_attempt(ctx.spec.results_dir, row)
-    job_id, restart = ctx.env.job_id, ctx.env.restart_count
-    attempt = {"status": status, "reason": reason, "job_id": job_id, "restart_count": restart, "step": row["last_step"]}
-
-    def failed_already(current: dict[str, tp.Any]) -> bool:
-        # one failed rank fails the attempt, whatever the ranks that finished write after it
-        return (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get("status") == "failed"
-
-    attempt.update(failure.run_long(ctx.run_dir.state()))  # failed and excluded nodes stay the run's
-    ctx.run_dir.update_state(attempt, keep=failed_already)
     if m.losses:
         atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
     return row

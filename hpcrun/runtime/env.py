@@ -9,6 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from hpcrun import slurm
+
 
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
@@ -28,8 +30,8 @@ class DistEnv:
 
 
 def from_scheduler() -> DistEnv:
-    """This task's ranks. Under SLURM from submitit's JobEnvironment (which also names array
-    tasks `<array>_<index>`); under hpcrun's local controller from the torchrun-style variables
+    """This task's ranks. Under SLURM from submitit's JobEnvironment, with the job id spelled
+    as hpcrun.slurm spells it for every SLURM tool (`<array>_<index>` for array tasks); under hpcrun's local controller from the torchrun-style variables
     it sets. MASTER_ADDR/PORT come from the rendered script (the site's fast hostname)."""
     if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
         import submitit
@@ -39,7 +41,7 @@ def from_scheduler() -> DistEnv:
         os.environ.setdefault("MASTER_ADDR", job.hostnames[0] if job.hostnames else "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         local_ranks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
-        return _env(job.global_rank, job.local_rank, job.num_tasks, str(job.job_id), os.environ["SLURM_JOB_ID"], local_ranks)
+        return _env(job.global_rank, job.local_rank, job.num_tasks, slurm.job_id(os.environ), os.environ["SLURM_JOB_ID"], local_ranks)
     local_id = os.environ.get("HPCRUN_LOCAL_JOB_ID", "local")
     return from_environ(job_id=local_id, allocation_id=local_id)
 

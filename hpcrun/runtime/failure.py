@@ -3,8 +3,8 @@
 When one rank dies, the others fail a moment later ("Connection closed by peer") or are killed
 by srun (`--kill-on-bad-exit`); none of them knows who died first. So a failing rank only leaves
 an exit record (its error, step and node: hpcrun.rundir's `exit_record`), and the batch script,
-which outlives srun, runs `python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR` once the
-step has ended: srun's own messages ("srun: error: node2: task 3: Killed") say which task ended
+which outlives srun, runs `python -m hpcrun.runtime.failure RUN_DIR STATUS` (srun's messages on its
+stdin) once the step has ended, as one task inside the ranks' container: srun's own messages ("srun: error: node2: task 3: Killed") say which task ended
 first. That one process writes the attempt's results row and state.json and decides the requeue.
 
 A lost node takes its batch script with it; SLURM requeues the job (NODE_FAIL) and the next
@@ -22,12 +22,12 @@ import datetime as dt
 import json
 import os
 import re
-import subprocess
+import signal
 import sys
 import typing as tp
-from pathlib import Path
 
-from hpcrun import __version__
+from hpcrun import __version__, slurm
+from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json, write_json
 
@@ -38,6 +38,9 @@ SIGNAL_WORDS = {
     "Killed": "SIGKILL", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Terminated": "SIGTERM",
     "Bus error": "SIGBUS", "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL",
 }
+# slurmstepd's word when the step was ended from outside, e.g. "*** STEP 12.0 ON node1 CANCELLED AT
+# 2024-01-01T00:00:00 DUE TO TIME LIMIT ***": the step id and the time differ every attempt
+STEP_CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT \S+(?P<why> DUE TO [^*]+?)? \*\*\*")
 # what a rank reports when it only saw another one go (the cause is elsewhere)
 CONSEQUENCE = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused", re.IGNORECASE)
 # state.json keys that describe the run, not one attempt: every writer of state.json keeps them
@@ -54,23 +57,40 @@ class Failure:
     step: int | None  # the step it failed in, when the rank said so
 
     def describe(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        who = f"rank {self.rank}" if self.rank is not None else "the job step"
         where = f" on {self.node}" if self.node else ""
         at = f" at step {self.step}" if self.step is not None else ""
         return f"{who}{where}: {self.what}{at}"
 
-    def signature(self) -> dict[str, tp.Any] | None:
-        """Same step and same error: the same failure again (any rank, any node)."""
+    def signature(self, checkpoint: int | None) -> dict[str, tp.Any]:
+        """Same step and same error: the same failure again (any rank, any node). Without a
+        step (no rank lived to say it: SIGKILL, a cancelled step), the same error with no new
+        checkpoint since (`checkpoint`: the newest one now) is the same failure again."""
         if self.step is None:
-            return None
+            return {"checkpoint": checkpoint, "error": self.what}
         return {"step": self.step, "error": self.what}
 
 
 def job_ids() -> tuple[str, int]:
     """This attempt's job id as the ranks name it (`<array>_<index>` for array tasks) and restart."""
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
-    return job, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return slurm.job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def newest_checkpoint(run_dir: RunDir) -> int | None:
+    """The step of the newest checkpoint directory (they become visible only when complete, by
+    a rename); None when there is none. Read by name: this process imports no torch."""
+    steps = [int(p.name.partition("-")[2]) for p in run_dir.checkpoints.glob("step-*") if p.name.partition("-")[2].isdigit()]
+    return max(steps, default=None)
+
+
+def step_message(srun_stderr: str) -> str | None:
+    """What srun or slurmstepd said of a step no task message explains: "CANCELLED DUE TO TIME
+    LIMIT", or srun's last error line."""
+    cancelled = list(STEP_CANCELLED.finditer(srun_stderr))
+    if cancelled:
+        return "CANCELLED" + (cancelled[-1]["why"] or "")
+    errors = [line.strip() for line in srun_stderr.splitlines() if "error" in line.lower()]
+    return errors[-1] if errors else None
 
 
 def first_ranks(tasks: str) -> list[int]:
@@ -149,32 +169,40 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
 
     spec = RunSpec.model_validate(read_json(run_dir.spec, None))
     job_id, restart = job_ids()
-    state = run_dir.state()
-    if (state.get("job_id"), state.get("restart_count")) == (job_id, restart):
-        return None
-    records = [read_json(p, None) for p in run_dir.exit_records(job_id, restart)]
-    failure = first_failure(srun_stderr, [r for r in records if isinstance(r, dict)])
-    reason = failure.describe() if failure else f"job step ended with status {step_status}"
-    signature = failure.signature() if failure else None
-    cap = spec.recipe.checkpoint.max_requeues
-    previous = state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
-    retry = False
-    if signature is not None and signature == previous:
-        reason += "; the same failure as the previous attempt (same step, same error): not requeued"
-    elif restart >= cap:
-        reason += f"; requeue cap reached ({cap} requeues)"
-    else:
-        retry = True
-        reason += "; requeued"
-    own = next((r for r in records if isinstance(r, dict) and failure and r.get("rank") == failure.rank), None)
+    records = [r for r in (read_json(p, None) for p in run_dir.exit_records(job_id, restart)) if isinstance(r, dict)]
+    failure = first_failure(srun_stderr, records)
+    if failure is None:
+        failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
+    signature = failure.signature(newest_checkpoint(run_dir))
+    own = next((r for r in records if r.get("rank") == failure.rank), None)
     row = {**minimal_row(spec, job_id, restart), **rank_row(own or next(iter(records), None) or {})}
-    row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
-    write_attempt(spec.results_dir, row)
-    run_dir.update_state({
-        **run_long(state), "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
-        "step": row.get("last_step"), "failure": signature,
-    })
-    if retry:
+    cap = spec.recipe.checkpoint.max_requeues
+    decided: dict[str, tp.Any] = {}
+
+    def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
+        # decided under state.json's lock, against what is there now
+        if (state.get("job_id"), state.get("restart_count")) == (job_id, restart):
+            decided["requeue"] = state.get("status") == "requeued"  # rank 0 said so, then was killed
+            return None
+        previous = state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
+        reason = failure.describe()
+        if signature == previous:
+            reason += "; the same failure as the previous attempt (same step, same error): not requeued"
+        elif restart >= cap:
+            reason += f"; requeue cap reached ({cap} requeues)"
+        else:
+            decided["requeue"] = True
+            reason += "; requeued"
+        decided["reason"] = reason
+        return {**run_long(state), "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
+                "step": row.get("last_step"), "failure": signature}
+
+    run_dir.update_state(merge)
+    reason = decided.get("reason")
+    if reason is not None:
+        row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
+        write_attempt(spec.results_dir, row)
+    if decided.get("requeue"):
         requeue(run_dir, job_id)
     return reason
 
@@ -183,40 +211,63 @@ def requeue(run_dir: RunDir | None, job: str) -> None:
     """Requeue `job`, unless SLURM is already doing so (preemption and NODE_FAIL requeue by
     themselves, and twice would count twice); then, while it is pending (the only time SLURM
     accepts it), exclude the nodes this run lost. SLURM holds a requeued job for the site's
-    `AuthInfo=cred_expire` (120 s by default) before it may start again."""
-    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    if "JobState=RUNNING" not in state:
+    `AuthInfo=cred_expire` (120 s by default) before it may start again, so the exclusion lands
+    before that. A SLURM tool that fails is one line (HpcrunError)."""
+    shown = slurm.run(["scontrol", "show", "job", job])
+    if shown.returncode != 0:
+        raise HpcrunError(f"scontrol show job {job} failed: {one_line(shown)}; not requeued")
+    if "JobState=RUNNING" not in shown.stdout:
         return
-    subprocess.run(["scontrol", "requeue", job], check=False)
     excluded = (run_dir.state().get("excluded_nodes") or []) if run_dir else []
-    if excluded:
-        subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"], check=False, capture_output=True)
+    # Requeueing sends SIGTERM to every process of the job, this one included: ignored until
+    # the exclusion is set (SIGKILL follows only after the cluster's KillWait). Not
+    # `requeuehold` + `release`: killed in between, that would leave the job held for good.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        done = slurm.run(["scontrol", "requeue", job])
+        if done.returncode != 0:
+            raise HpcrunError(f"scontrol requeue {job} failed: {one_line(done)}")
+        if excluded:
+            update = slurm.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"])
+            if update.returncode != 0:
+                print(f"[hpcrun] requeued {job}, but could not exclude {','.join(excluded)}: {one_line(update)}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def one_line(out: tp.Any) -> str:
+    """A failed SLURM tool's message, on one line."""
+    text = (out.stderr or out.stdout or "").strip()
+    return text.splitlines()[-1] if text else f"exit status {out.returncode}"
 
 
 def sacct_attempts(allocation_id: str) -> list[tuple[str, str]]:
     """(state, node list) of each start of the job, oldest first (a requeue adds one)."""
-    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", allocation_id, "-o", "State,NodeList"], capture_output=True, text=True)
+    out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", allocation_id, "-o", "State,NodeList"])
+    if out.returncode != 0:
+        raise HpcrunError(f"sacct -j {allocation_id} failed: {one_line(out)}")
     return [tuple(line.split("|")[:2]) for line in out.stdout.splitlines() if "|" in line]  # type: ignore[misc]
 
 
 def hostnames(node_list: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", node_list], capture_output=True, text=True)
-    return out.stdout.split() or [node_list]
+    out = slurm.run(["scontrol", "show", "hostnames", node_list])
+    return (out.stdout.split() if out.returncode == 0 else []) or [node_list]
 
 
 def lost_nodes(node_list: str) -> list[str]:
     """Of a NODE_FAIL attempt's nodes, those SLURM holds down now (all of them when none is:
     the node came back before we asked)."""
     nodes = hostnames(node_list)
-    out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True, text=True).stdout
+    answer = slurm.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"])
+    out = answer.stdout if answer.returncode == 0 else ""  # unknown: every node of the attempt
     down = sorted({n for n, st in (line.split()[:2] for line in out.splitlines() if line.strip()) if st.startswith(("down", "drain", "fail"))})
     return down or nodes
 
 
 def partition_size(partition: str) -> int:
-    out = subprocess.run(["scontrol", "show", "partition", partition], capture_output=True, text=True).stdout
-    found = re.search(r"TotalNodes=(\d+)", out)
-    return int(found[1]) if found else 0
+    out = slurm.run(["scontrol", "show", "partition", partition])
+    found = re.search(r"TotalNodes=(\d+)", out.stdout) if out.returncode == 0 else None
+    return int(found[1]) if found else 0  # unknown: no exclusion (it could leave too few nodes)
 
 
 def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allocation_id: str) -> str | None:
@@ -225,38 +276,57 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
     and decide which nodes later attempts exclude. Returns the recorded reason."""
     if restart == 0:
         return None
-    state = run_dir.state()
-    said = state.get("job_id") == job_id and int(state.get("restart_count", -1)) >= restart - 1
-    if said:
+
+    def said(state: dict[str, tp.Any]) -> bool:
+        return state.get("job_id") == job_id and int(state.get("restart_count", -1)) >= restart - 1
+
+    if said(run_dir.state()):
         return None
     starts = sacct_attempts(allocation_id)
     if len(starts) < 2 or starts[-2][0] != "NODE_FAIL":
         return None
     lost = lost_nodes(starts[-2][1])
-    failed = sorted(set(state.get("failed_nodes") or []) | set(lost))
-    excluded = list(state.get("excluded_nodes") or [])
-    if spec.recipe.fault.exclude_failed_nodes:
-        candidates = sorted(set(excluded) | set(lost))
-        if partition_size(spec.partition) - len(candidates) >= spec.nodes:  # still enough nodes to run on
-            excluded = candidates
+    room = partition_size(spec.partition) if spec.recipe.fault.exclude_failed_nodes else 0
     reason = f"node lost (NODE_FAIL): {','.join(lost)}; requeued by SLURM"
+    wrote = False
+
+    def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
+        # under state.json's lock: the failed and excluded nodes are added to what is there now
+        nonlocal wrote
+        if said(state):
+            return None
+        failed = sorted(set(state.get("failed_nodes") or []) | set(lost))
+        excluded = list(state.get("excluded_nodes") or [])
+        candidates = sorted(set(excluded) | set(lost))
+        if spec.recipe.fault.exclude_failed_nodes and room - len(candidates) >= spec.nodes:  # still enough nodes to run on
+            excluded = candidates
+        wrote = True
+        return {**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart - 1,
+                "failed_nodes": failed, "excluded_nodes": excluded, "failure": None}
+
+    run_dir.update_state(merge)
+    if not wrote:
+        return None
     row = {**minimal_row(spec, job_id, restart - 1), "node_list": starts[-2][1], "status": "failed", "reason": reason,
            "end_time": dt.datetime.now(dt.timezone.utc)}
     from hpcrun.results import write_attempt
 
     write_attempt(spec.results_dir, row)
-    run_dir.update_state({**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart - 1,
-                          "failed_nodes": failed, "excluded_nodes": excluded, "failure": None})
     return reason
 
 
 def main(argv: list[str]) -> int:
-    """`python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR`, from the sbatch script."""
-    if len(argv) != 3:
-        print("usage: python -m hpcrun.runtime.failure RUN_DIR STATUS SRUN_STDERR", file=sys.stderr)
+    """`python -m hpcrun.runtime.failure RUN_DIR STATUS < SRUN_STDERR`, from the sbatch script.
+    A state file it cannot read or a SLURM tool that fails is one line and exit status 1."""
+    if len(argv) != 2 or not argv[1].isdigit():
+        print("usage: python -m hpcrun.runtime.failure RUN_DIR STATUS < SRUN_STDERR", file=sys.stderr)
         return 2
-    path = Path(argv[2])
-    reason = record_failed_step(RunDir(argv[0]), int(argv[1]), path.read_text(errors="replace") if path.exists() else "")
+    srun_stderr = sys.stdin.buffer.read().decode(errors="replace")
+    try:
+        reason = record_failed_step(RunDir(argv[0]), int(argv[1]), srun_stderr)
+    except HpcrunError as exc:
+        print(f"[hpcrun] recording the failed attempt: {exc.format_message()}", file=sys.stderr)
+        return 1
     if reason:
         print(f"[hpcrun] attempt failed: {reason}", file=sys.stderr)
     return 0

@@ -80,11 +80,17 @@ def user_command(ctx: Context) -> None:
         raise RuntimeError(f"command {job.command[0]!r} exited with status {code} on rank {ctx.rank}")
 
 
+# The most a user script gets to exit after a stop signal: well below the shortest KillWait hpcrun
+# runs under (20 s: the test cluster's and the local controller's; SLURM's default is 30 s), so
+# that after a kill the rank still has time to write its row and requeue before SIGKILL.
+STOP_GRACE_MAX_S = 12.0
+
+
 def stop_grace_s(ctx: Context) -> float:
     """How long a script may take to save and exit after a stop signal: half the lead SLURM
-    gives before the time limit, and at most 20 s, below SLURM's default KillWait (30 s)
-    between SIGTERM and SIGKILL on preemption."""
-    return max(1.0, min(20.0, ctx.spec.signal_lead_s / 2))
+    gives before the time limit, and at most STOP_GRACE_MAX_S, since on preemption only
+    KillWait separates SIGTERM from SIGKILL."""
+    return max(1.0, min(STOP_GRACE_MAX_S, ctx.spec.signal_lead_s / 2))
 
 
 def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context) -> int:
