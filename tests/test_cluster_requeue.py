@@ -116,7 +116,7 @@ def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, base
 
 def test_crashing_job_stops_at_the_cap(shared: Path) -> None:
     """A job that crashes differently each attempt (its exit code counts the restarts) is
-    requeued until the cap; one that repeats its failure exactly stops sooner (test_cluster_faults)."""
+    requeued until the cap; one that repeats its failure exactly stops sooner."""
     crash = "import os; raise SystemExit(7 + int(os.environ.get('SLURM_RESTART_COUNT') or 0))"
     run_dir, job = submit(
         shared, "crash",
