@@ -65,14 +65,14 @@ def test_two_node_job_over_the_site_interface(shared: Path) -> None:
     assert state(run_dir)["status"] == "completed"
     (row,) = rows(shared, run_dir).to_dict("records")
     assert row["world_size"] == 4 and row["nodes"] == 2 and row["node_list"] == "node[1-2]"
-    # the file sbatch received is byte for byte what `render` prints for this run id
+    # the script SLURM holds for the job is byte for byte what `render` prints for this run id
     job = state(run_dir)["job_id"]
-    submitted = (run_dir / "logs" / f"{job}_submission.sh").read_text()
-    assert submitted == hpcrun("render", "--site", str(site), "--run-id", run_dir.name, str(rec)).stdout
+    held = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True, check=True).stdout
+    assert held == hpcrun("render", "--site", str(site), "--run-id", run_dir.name, str(rec)).stdout
     status = hpcrun("status", "--site", str(site), run_dir.name)
     assert "COMPLETED" in status.stdout and "node[1-2]" in status.stdout and "(from sacct)" in status.stderr
     log = hpcrun("logs", "--site", str(site), run_dir.name, "--rank", "3").stdout
-    assert "global_rank=3(4)" in log
+    assert "[hpcrun] rank 3/4 (local 1) on node2, job " in log, log
 
 
 def test_wrong_interface_is_what_breaks(shared: Path) -> None:

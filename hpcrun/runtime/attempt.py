@@ -4,6 +4,7 @@ of the final weights. The loop itself is hpcrun.runtime.context and hpcrun.runti
 
 from __future__ import annotations
 
+import os
 import typing as tp
 
 import torch
@@ -27,6 +28,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     failed (after recording it, and requeueing where the cap allows)."""
     env = from_scheduler()
     FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
+    # every rank's own log says whose it is: a failure is read in one rank's file
+    print(f"[hpcrun] rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, restart {env.restart_count}", flush=True)
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
         if env.backend == "nccl":
             flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
