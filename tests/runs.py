@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import typing as tp
 from pathlib import Path
 
@@ -73,3 +74,13 @@ def state(run_dir: Path) -> dict[str, tp.Any]:
 
 def rows(tmp: Path, run_dir: Path) -> tp.Any:
     return load(tmp / "results", run_id=run_dir.name)
+
+
+def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) -> None:
+    """Poll `predicate` until it holds; a timeout names what was awaited."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
-from tests.test_fault_tolerance import ranks, wait_for
+from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state, wait_for
+from tests.test_fault_tolerance import ranks
 
 pytestmark = pytest.mark.slow
 

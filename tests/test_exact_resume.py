@@ -16,8 +16,8 @@ import pytest
 
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state
-from tests.test_fault_tolerance import checkpoint_after, ranks, wait_for, weights
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state, wait_for
+from tests.test_fault_tolerance import checkpoint_after, ranks, weights
 
 pytestmark = pytest.mark.slow
 

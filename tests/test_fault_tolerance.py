@@ -19,7 +19,7 @@ import pytest
 
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,15 +38,6 @@ def ranks(run_dir: Path) -> list[int]:
     """The rank processes of a local job: the children of submitit's controller."""
     out = subprocess.run(["pgrep", "-P", str(controller(run_dir))], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
-
-
-def wait_for(predicate, timeout: float = 240, what: str = "") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def checkpoint_after(run_dir: Path, step: int) -> bool:

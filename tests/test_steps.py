@@ -20,7 +20,7 @@ from hpcrun import steps
 from hpcrun.results import load
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT, cli, write_yaml
-from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state
+from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state, wait_for
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -177,17 +177,6 @@ def newest_checkpoint(run_dir: Path) -> int:
 def recorded(results: Path, run_id: str, job_id: str) -> int:
     """The newest step an attempt has in its written files so far."""
     return max((s for p in steps.files(results) for s, j in zip(*steps.read([p]).select(["step", "job_id"]).to_pydict().values()) if j == job_id and p.parent.name == run_id), default=0)
-
-
-def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow
