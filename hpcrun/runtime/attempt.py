@@ -103,6 +103,8 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     row = result_row(ctx, status, reason, peak)
     job_id, restart = ctx.env.job_id, ctx.env.restart_count
     attempt = {"status": status, "reason": reason, "job_id": job_id, "restart_count": restart, "step": row["last_step"]}
+    from hpcrun.results import write_attempt
+
     wrote = False
 
     def merge(current: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
@@ -110,18 +112,16 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
         nonlocal wrote
         if (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get("status") == "failed":
             return None
+        # the row and losses before the state: whoever sees "completed" (--wait, a stage's
+        # dependency, a test) finds the attempt's results already there
+        write_attempt(ctx.spec.results_dir, row)
+        if m.losses:
+            atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
         wrote = True
         return {**attempt, **failure.run_long(current)}  # failed and excluded nodes stay the run's
 
     ctx.run_dir.update_state(merge)
-    if not wrote:
-        return {}
-    from hpcrun.results import write_attempt
-
-    write_attempt(ctx.spec.results_dir, row)
-    if m.losses:
-        atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
-    return row
+    return row if wrote else {}
 
 
 def export_final(ctx: Context) -> None:

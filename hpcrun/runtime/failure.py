@@ -194,17 +194,16 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
             decided["requeue"] = True
             reason += "; requeued"
         decided["reason"] = reason
+        # the row before the state, so whoever reads "failed" finds it (see attempt.finish)
+        row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
+        write_attempt(spec.results_dir, row)
         return {**run_long(state), "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
                 "step": row.get("last_step"), "failure": signature}
 
     run_dir.update_state(merge)
-    reason = decided.get("reason")
-    if reason is not None:
-        row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
-        write_attempt(spec.results_dir, row)
     if decided.get("requeue"):
         requeue(run_dir, job_id)
-    return reason
+    return decided.get("reason")
 
 
 def requeue(run_dir: RunDir | None, job: str) -> None:
@@ -300,19 +299,17 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
         candidates = sorted(set(excluded) | set(lost))
         if spec.recipe.fault.exclude_failed_nodes and room - len(candidates) >= spec.nodes:  # still enough nodes to run on
             excluded = candidates
+        row = {**minimal_row(spec, job_id, restart - 1), "node_list": starts[-2][1], "status": "failed", "reason": reason,
+               "end_time": dt.datetime.now(dt.timezone.utc)}
+        write_attempt(spec.results_dir, row)  # the row before the state (see attempt.finish)
         wrote = True
         return {**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart - 1,
                 "failed_nodes": failed, "excluded_nodes": excluded, "failure": None}
 
-    run_dir.update_state(merge)
-    if not wrote:
-        return None
-    row = {**minimal_row(spec, job_id, restart - 1), "node_list": starts[-2][1], "status": "failed", "reason": reason,
-           "end_time": dt.datetime.now(dt.timezone.utc)}
     from hpcrun.results import write_attempt
 
-    write_attempt(spec.results_dir, row)
-    return reason
+    run_dir.update_state(merge)
+    return reason if wrote else None
 
 
 def main(argv: list[str]) -> int:
