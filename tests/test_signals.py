@@ -57,3 +57,47 @@ def test_cpu_ranks_share_the_cores() -> None:
     cores = len(os.sched_getaffinity(0))
     assert cpu_threads(1) == cores
     assert cpu_threads(cores) == 1 and cpu_threads(cores * 4) == 1
+
+
+RANK = """
+import os, signal, sys, datetime
+import hpcrun.launch  # the stop flag, as in a SLURM task
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2, timeout=datetime.timedelta(seconds=120))
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # a peer that stops answering, its connection open
+print("in all_reduce", flush=True)
+dist.all_reduce(torch.ones(4))
+print("returned", flush=True)
+"""
+
+
+def test_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds() -> None:
+    """A rank waiting in gloo for a stopped peer never runs its Python SIGTERM handler; the
+    watcher thread ends it within seconds (with its stacks), not at SLURM's SIGKILL (see
+    hpcrun.signals on why that wait makes a requeued job's next attempt fail)."""
+    import os
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        assert ranks[0].stdout is not None and ranks[0].stdout.readline().strip() == "in all_reduce"
+        time.sleep(1.0)  # inside the collective
+        assert ranks[0].poll() is None
+        sent = time.monotonic()
+        ranks[0].send_signal(signal.SIGTERM)
+        out, err = ranks[0].communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert ranks[0].returncode == 128 + signal.SIGTERM, err
+    assert took < 15, took
+    assert "returned" not in out and "did not return to Python" in err and "all_reduce" in err, err
