@@ -13,7 +13,9 @@ import time
 import typing as tp
 from pathlib import Path
 
-NODES = ("node1", "node2")
+from tests import pool
+
+NODES = pool.nodes()
 
 
 def node_pids(node: str) -> list[int]:
@@ -74,7 +76,7 @@ def power_off(node: str) -> None:
 
 
 def node_state(node: str) -> str:
-    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-p", "batch", "-o", "%t"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-p", pool.partition("batch"), "-o", "%t"], capture_output=True, text=True).stdout.strip()
 
 
 def wait_node(node: str, states: tuple[str, ...], timeout: float) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from hpcrun.results import load
+from tests import pool
 from tests.helpers import ROOT
 
 STRATEGIES: dict[str, dict[str, tp.Any]] = {
@@ -33,6 +34,9 @@ def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
     data["storage"]["results_dir"] = str(tmp / "results")
     if base == "local":
         data["partitions"]["local"]["cpu_peak_tflops_per_rank"] = 0.05
+    if base == "testcluster":  # this test process's pool of the cluster (tests/pool.py)
+        data["partitions"] = {pool.partition(name): value for name, value in data["partitions"].items()}
+        data["default_partition"] = pool.partition(data["default_partition"])
     for key, value in changes.items():
         data[key] = value
     path = tmp / f"{data['name']}.yaml"

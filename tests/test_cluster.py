@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import pool
 from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state
 
 pytestmark = pytest.mark.cluster
@@ -64,15 +65,15 @@ def test_two_node_job_over_the_site_interface(shared: Path) -> None:
     run_dir = run_dir_of(out)
     assert state(run_dir)["status"] == "completed"
     (row,) = rows(shared, run_dir).to_dict("records")
-    assert row["world_size"] == 4 and row["nodes"] == 2 and row["node_list"] == "node[1-2]"
+    assert row["world_size"] == 4 and row["nodes"] == 2 and row["node_list"] == pool.node_list()
     # the script SLURM holds for the job is byte for byte what `render` prints for this run id
     job = state(run_dir)["job_id"]
     held = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True, check=True).stdout
     assert held == hpcrun("render", "--site", str(site), "--run-id", run_dir.name, str(rec)).stdout
     status = hpcrun("status", "--site", str(site), run_dir.name)
-    assert "COMPLETED" in status.stdout and "node[1-2]" in status.stdout and "(from sacct)" in status.stderr
+    assert "COMPLETED" in status.stdout and pool.node_list() in status.stdout and "(from sacct)" in status.stderr
     log = hpcrun("logs", "--site", str(site), run_dir.name, "--rank", "3").stdout
-    assert "[hpcrun] rank 3/4 (local 1) on node2, job " in log, log
+    assert f"[hpcrun] rank 3/4 (local 1) on {pool.nodes()[1]}, job " in log, log
 
 
 def test_wrong_interface_is_what_breaks(shared: Path) -> None:
@@ -105,7 +106,7 @@ def test_refused_partition_shows_sbatch_message(shared: Path) -> None:
 
     site = site_copy(shared, "testcluster")
     data = yaml.safe_load(site.read_text())
-    data["partitions"]["ghost"] = data["partitions"]["batch"]
+    data["partitions"]["ghost"] = data["partitions"][pool.partition("batch")]
     data["default_partition"] = "ghost"
     site.write_text(yaml.safe_dump(data))
     out = hpcrun("submit", "--site", str(site), "--run-id", "refused-run", "jobs/quickstart.yaml", check=False)

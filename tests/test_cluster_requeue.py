@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
 from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
@@ -106,7 +107,7 @@ def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: str) 
 def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: str) -> None:
     run_dir, job = submit(shared, "preempted")
     wait_checkpoint(run_dir)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
     final = wait_done(run_dir)
     assert final["status"] == "completed" and final["restart_count"] == 1, final
     assert len(records(job)) == 2, records(job)  # requeued once: not by SLURM and hpcrun both

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from hpcrun.results import load
+from tests import pool
 from tests.runs import hpcrun, site_copy
 
 
@@ -29,9 +30,9 @@ def test_doctor_on_the_cluster(tmp_path: Path) -> None:
     site = site_copy(tmp_path, "testcluster")
     out = hpcrun("doctor", "--site", str(site), "--nodes", "2")
     lines = out.stdout.splitlines()
-    assert any(ln.startswith("ok    partition batch: 2 nodes, 2 CPUs") for ln in lines), out.stdout
+    assert any(ln.startswith(f"ok    partition {pool.partition('batch')}: 2 nodes, 2 CPUs") for ln in lines), out.stdout
     assert any(ln.startswith("ok    sbatch --test-only") for ln in lines)
-    assert any(ln.startswith("ok    ranks: 4 ranks on node1, node2 over hpc0") for ln in lines), out.stdout
+    assert any(ln.startswith(f"ok    ranks: 4 ranks on {', '.join(pool.nodes())} over hpc0") for ln in lines), out.stdout
     assert any("warn  bandwidth: no nominal figure" in ln for ln in lines)
 
 
@@ -43,7 +44,7 @@ def test_doctor_catches_a_wrong_interface(tmp_path: Path) -> None:
     site.write_text(yaml.safe_dump(data))
     out = hpcrun("doctor", "--site", str(site), "--nodes", "2", check=False)
     assert out.returncode == 1
-    assert "fail  rank 0 on node1: interface 'eth7' has no address there (it has lo, hpc0)" in out.stdout
+    assert f"fail  rank 0 on {pool.nodes()[0]}: interface 'eth7' has no address there (it has lo, hpc0)" in out.stdout
     assert f"set network.interface in {site}" in out.stdout
 
 
@@ -51,8 +52,9 @@ def test_doctor_catches_a_wrong_interface(tmp_path: Path) -> None:
 def test_doctor_catches_a_wrong_partition_size(tmp_path: Path) -> None:
     site = site_copy(tmp_path, "testcluster")
     data = yaml.safe_load(site.read_text())
-    data["partitions"]["batch"]["cpus_per_node"] = 64
+    batch = pool.partition("batch")
+    data["partitions"][batch]["cpus_per_node"] = 64
     site.write_text(yaml.safe_dump(data))
     out = hpcrun("doctor", "--site", str(site), "--login-only", check=False)
     assert out.returncode == 1
-    assert "fail  partition batch: cpus_per_node 64 but nodes have 2 -> set partitions.batch.cpus_per_node: 2" in out.stdout
+    assert f"fail  partition {batch}: cpus_per_node 64 but nodes have 2 -> set partitions.{batch}.cpus_per_node: 2" in out.stdout

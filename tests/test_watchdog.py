@@ -124,8 +124,8 @@ def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path) 
     ranks' watchdogs fire within 120 s, their stacks are in the run's logs, the job requeues
     and completes with the weights of an uninterrupted run."""
     from tests import faults
-    from tests.cluster_faults_wip import CHECKPOINT, PAUSED, TRAINING, records, submit, wait_checkpoint, wait_done
     from tests.runs import recipe, rows, run_dir_of, site_copy
+    from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, submit, wait_checkpoint, wait_done
 
     began = time.monotonic()
     resources = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}

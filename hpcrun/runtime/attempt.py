@@ -10,6 +10,7 @@ import typing as tp
 import torch
 import torch.distributed as dist
 
+from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
@@ -36,7 +37,11 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
     ctx = Context(spec, env, FLAG)
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
-        lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.allocation_id)
+        try:
+            lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.allocation_id)
+        except HpcrunError as exc:  # accounting unreachable from the node: train on, unrecorded
+            lost = None
+            ctx.info(f"could not check how the previous attempt ended: {exc.format_message()}")
         if lost:
             ctx.info(f"previous attempt: {lost}")
     status, reason = "completed", None

@@ -281,10 +281,13 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
 
     if said(run_dir.state()):
         return None
+    # the previous attempt's record by its place (one per start, oldest first), not as the
+    # next-to-last: slurmdbd may not hold this attempt's own record yet
     starts = sacct_attempts(allocation_id)
-    if len(starts) < 2 or starts[-2][0] != "NODE_FAIL":
+    if len(starts) < restart or starts[restart - 1][0] != "NODE_FAIL":
         return None
-    lost = lost_nodes(starts[-2][1])
+    previous = starts[restart - 1][1]
+    lost = lost_nodes(previous)
     room = partition_size(spec.partition) if spec.recipe.fault.exclude_failed_nodes else 0
     reason = f"node lost (NODE_FAIL): {','.join(lost)}; requeued by SLURM"
     wrote = False
@@ -299,7 +302,7 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
         candidates = sorted(set(excluded) | set(lost))
         if spec.recipe.fault.exclude_failed_nodes and room - len(candidates) >= spec.nodes:  # still enough nodes to run on
             excluded = candidates
-        row = {**minimal_row(spec, job_id, restart - 1), "node_list": starts[-2][1], "status": "failed", "reason": reason,
+        row = {**minimal_row(spec, job_id, restart - 1), "node_list": previous, "status": "failed", "reason": reason,
                "end_time": dt.datetime.now(dt.timezone.utc)}
         write_attempt(spec.results_dir, row)  # the row before the state (see attempt.finish)
         wrote = True

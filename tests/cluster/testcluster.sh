@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# A real two-node SLURM cluster on this machine, for hpcrun's integration tests.
+# A real SLURM cluster on this machine, for hpcrun's integration tests.
 #
-#   tests/cluster/testcluster.sh up       install (Debian packages) and start everything; idempotent
-#   tests/cluster/testcluster.sh status   daemons, nodes and partitions
-#   tests/cluster/testcluster.sh down     stop the daemons and remove the namespaces
+#   tests/cluster/testcluster.sh up [--nodes N]   install (Debian packages) and start everything; idempotent
+#   tests/cluster/testcluster.sh status           daemons, nodes and partitions
+#   tests/cluster/testcluster.sh down             stop the daemons and remove the namespaces
 #
 # Layout: bridge hpcbr0 (10.77.0.1) on the host runs slurmctld, slurmdbd, MariaDB and munge;
-# network namespaces node1 (10.77.0.11) and node2 (10.77.0.12) each run one slurmd and reach
+# network namespaces node1 (10.77.0.11), node2 (10.77.0.12), ... each run one slurmd and reach
 # the others only through their interface `hpc0`, which sites/testcluster.yaml names.
+#
+# Partitions: nodes come in pools of two, each with its own pair of partitions, so test
+# processes running at once each get a cluster of their own (tests/runs.py `pool`): pool 0 is
+# `batch` (the default) and `urgent` (a higher priority tier that preempts `batch` with requeue)
+# on node[1-2]; pool k is `batchk`/`urgentk` on the next two nodes. `all` spans every node.
+# N defaults to 2 (one pool), or to the node count of a cluster already up.
 # Needs root. See shared notes/slurm-testbed.md for why each setting is here.
 set -euo pipefail
 
@@ -15,7 +21,6 @@ CLUSTER=hpctest
 BRIDGE=hpcbr0
 NET=10.77.0
 IFACE=hpc0
-NODES=(node1 node2)
 ETC=/etc/slurm
 SHARED=/var/tmp/hpcrun-testcluster
 LOGS=/var/log/slurm
@@ -98,13 +103,15 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
+# the bridge address, not localhost: jobs on the nodes (their own network namespaces) ask sacct too
+AccountingStorageHost=$NET.1
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
-NodeName=node1 NodeAddr=$NET.11 CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=node2 NodeAddr=$NET.12 CPUs=2 RealMemory=4000 State=UNKNOWN
-PartitionName=batch Nodes=node1,node2 Default=YES MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
-PartitionName=urgent Nodes=node1,node2 MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF
+# The main scheduler and backfill passes every few seconds (defaults: 60 s and 30 s): a requeued
+# job whose hold has expired starts at the next pass, not up to a minute later. No event wakes
+# the scheduler when the hold ends.
+SchedulerParameters=sched_interval=3,bf_interval=5
+$(node_lines)
 CONF
   cat >"$ETC/cgroup.conf" <<CONF
 CgroupPlugin=cgroup/v1
@@ -126,6 +133,21 @@ CONF
   if cmp -s "$ETC/slurm.conf.new" "$ETC/slurm.conf"; then rm -f "$ETC/slurm.conf.new"; return 0; fi
   mv "$ETC/slurm.conf.new" "$ETC/slurm.conf"
   return 1
+}
+
+node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}", in pools of two
+  local i=11 node pool
+  for node in "${NODES[@]}"; do
+    echo "NodeName=$node NodeAddr=$NET.$i CPUs=2 RealMemory=4000 State=UNKNOWN"
+    i=$((i + 1))
+  done
+  for ((pool = 0; pool < ${#NODES[@]} / 2; pool++)); do
+    local members="${NODES[$((2 * pool))]},${NODES[$((2 * pool + 1))]}" suffix=""
+    [ "$pool" -gt 0 ] && suffix=$pool
+    echo "PartitionName=batch$suffix Nodes=$members$([ "$pool" -eq 0 ] && echo ' Default=YES') MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30"
+    echo "PartitionName=urgent$suffix Nodes=$members MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF"
+  done
+  echo "PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30"
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -170,16 +192,20 @@ start_slurm() {
     fi
   done
   # nodes that were down from an earlier run come back once their slurmd answers
-  scontrol update nodename=node1,node2 state=resume >/dev/null 2>&1 || true
-  wait_for 90 "both nodes idle" nodes_idle
+  scontrol update nodename="$(IFS=,; echo "${NODES[*]}")" state=resume >/dev/null 2>&1 || true
+  wait_for 90 "all ${#NODES[@]} nodes idle" nodes_idle
 }
 
-nodes_up() {  # both nodes answer (idle, or running jobs)
-  [ "$(sinfo -h -p batch -N -o '%N %t' | grep -cE ' (idle|mix|alloc)$')" -eq 2 ]
+nodes_up() {  # every node answers (idle, or running jobs)
+  [ "$(sinfo -h -p all -N -o '%N %t' | grep -cE ' (idle|mix|alloc)$')" -eq "${#NODES[@]}" ]
 }
 
 nodes_idle() {
-  [ "$(sinfo -h -p batch -N -o '%N %t' | grep -c ' idle$')" -eq 2 ]
+  [ "$(sinfo -h -p all -N -o '%N %t' | grep -c ' idle$')" -eq "${#NODES[@]}" ]
+}
+
+running_nodes() {  # the node count of the cluster up now (0: none)
+  scontrol show nodes -o 2>/dev/null | grep -c '^NodeName=node' || true
 }
 
 status() {
@@ -193,6 +219,10 @@ status() {
 }
 
 up() {
+  if scontrol ping >/dev/null 2>&1 && [ "$(running_nodes)" -ne "${#NODES[@]}" ]; then
+    log "$(running_nodes) nodes up, ${#NODES[@]} asked: restarting"
+    down
+  fi
   if scontrol ping >/dev/null 2>&1 && nodes_up 2>/dev/null; then
     # running (maybe busy): only a changed configuration to apply
     if ! write_config; then log "slurm.conf changed: scontrol reconfigure"; scontrol reconfigure; fi
@@ -217,7 +247,7 @@ down() {
     wait_for 10 "daemons to die" bash -c '! pgrep -x "slurmd|slurmctld|slurmdbd|slurmstepd"'
   fi
 
-  for node in "${NODES[@]}"; do
+  for node in $(ip netns list | grep -oE '^node[0-9]+'); do  # every node of any size's cluster
     ip netns del "$node" 2>/dev/null || true
     ip link del "veth-$node" 2>/dev/null || true
   done
@@ -225,9 +255,28 @@ down() {
   log "down (munge and MariaDB left running; they are harmless and slow to restart)"
 }
 
-case "${1:-}" in
+count=
+command=${1:-}
+[ $# -gt 0 ] && shift
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) count=${2:-}; shift 2 || true ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$count" ]; then
+  count=$(running_nodes 2>/dev/null || echo 0)
+  [ "$count" -ge 2 ] || count=2
+fi
+if ! [[ "$count" =~ ^[0-9]+$ ]] || [ "$count" -lt 2 ] || [ $((count % 2)) -ne 0 ] || [ "$count" -gt 64 ]; then
+  echo "--nodes: an even number from 2 to 64, not '$count'" >&2; exit 2
+fi
+NODES=()
+for ((n = 1; n <= count; n++)); do NODES+=("node$n"); done
+
+case "$command" in
   up) up ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up [--nodes N]|down|status" >&2; exit 2 ;;
 esac

@@ -1,6 +1,3 @@
-# NOT COLLECTED (work in progress, see the session note): after a SIGKILLed rank the requeued job
-# gets its step cancelled ~48 s after each requeue (a requeue loop); the lost-node test never passed.
-# Rename back to test_cluster_faults.py once fixed.
 """Real failures on the SLURM test cluster: a SIGKILLed rank, a job that crashes at the same
 step every time, a lost node. Each job lasts a bounded time (a pause per step), and each test
 says what one record of the failed attempt must hold."""
@@ -19,7 +16,7 @@ import pytest
 from tests import faults
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
@@ -36,7 +33,7 @@ def records(job: str) -> list[str]:
 def wait_done(run_dir: Path, timeout: float) -> dict[str, tp.Any]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed") and "requeued" not in (state(run_dir).get("reason") or ""):
+        if (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed") and not (state(run_dir).get("reason") or "").endswith("; requeued"):
             job = state(run_dir)["job_id"]
             if records(job) and records(job)[-1] in ("COMPLETED", "FAILED"):
                 return state(run_dir)
@@ -127,8 +124,11 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path) -> None:
         # the resumed attempt runs on the other node; cut it once more (USR2) to see the exclusion
         _, resumed_on = faults.rank_pid(job, 0, timeout=180)
         assert resumed_on == other
+        # the resumed attempt's rank 0 records the lost one as it starts
+        wait_for(lambda: node in (state(run_dir).get("failed_nodes") or []) if (run_dir / "state.json").exists() else False, what="the lost node's record")
         faults.power_on(node)
-        wait_checkpoint(run_dir)
+        newest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+        wait_for(lambda: any(int(p.name.split("-")[1]) > newest for p in (run_dir / "checkpoints").glob("step-*")), what="a checkpoint of the resumed attempt")
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         deadline = time.time() + 60
         while "ExcNodeList=" + node not in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout:
