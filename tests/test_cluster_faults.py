@@ -1,12 +1,14 @@
-"""Real failures on the SLURM test cluster: a SIGKILLed rank, a job that crashes at the same
-step every time, a lost node. Each job lasts a bounded time (a pause per step), and each test
-says what one record of the failed attempt must hold."""
+"""Real failures on the SLURM test cluster: a SIGKILLed rank, a SIGSTOPped (hung) rank, a job
+that crashes at the same step every time, a lost node. Each job lasts a bounded time (a pause per
+step), each test says what one record of the failed attempt must hold, and each run that
+completes ends with the weights (sha256) of the same training never interrupted."""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import sys
 import time
 import typing as tp
 from pathlib import Path
@@ -23,6 +25,32 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TRAINING = {"steps": 120, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 CHECKPOINT = {"interval": 20, "max_requeues": 3, "export_final": True}
 PAUSED = entrypoint_job(str(ROOT), 0.1)
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> tp.Iterator[dict[int, subprocess.Popen[str]]]:
+    """The uninterrupted runs, at world size 4 and 2, on this machine with --site local (same
+    world size, same numbers: the pause per step changes none), started at once in the
+    background while the cluster jobs fail and requeue; `weights_of` waits for one."""
+    tmp = tmp_path_factory.mktemp("baselines")
+    started = {}
+    for world in (4, 2):
+        partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
+        local = site_copy(tmp, partitions={"local": partition})
+        whole = recipe(tmp, f"whole-{world}", job=entrypoint_job(str(ROOT), 0.0), training=TRAINING, checkpoint=CHECKPOINT,
+                       resources={"nodes": 1, "gpus_per_node": world, "time": "00:10:00"})
+        started[world] = subprocess.Popen([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(local), "--wait", str(whole)],
+                                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    yield started
+    for proc in started.values():
+        proc.kill()
+        proc.wait()
+
+
+def weights_of(baselines: dict[int, subprocess.Popen[str]], world: int) -> str:
+    out, _ = baselines[world].communicate(timeout=600)
+    assert baselines[world].returncode == 0, out
+    return (run_dir_of(subprocess.CompletedProcess([], 0, out, "")) / "weights.sha256").read_text()
 
 
 def records(job: str) -> list[str]:
@@ -66,7 +94,7 @@ def ranks_alive(job: str, world: int) -> list[int]:
     return alive
 
 
-def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path) -> None:
+def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path, baselines: dict[int, subprocess.Popen[str]]) -> None:
     """SIGKILL to rank 3 of a 2-node x 2-rank job: every rank is gone within 30 s, the failed
     attempt has exactly one results row naming rank, node and signal, and the job requeues once
     and completes from its checkpoint."""
@@ -89,6 +117,32 @@ def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path)
     reason = failed.iloc[0]["reason"]
     assert failed.iloc[0]["status"] == "failed" and f"rank 3 on {node}" in reason and "SIGKILL" in reason, reason
     assert len(table) == 2 and table[table.restart_count == 1].iloc[0]["status"] == "completed"
+    assert (run_dir / "weights.sha256").read_text() == weights_of(baselines, 4)
+
+
+def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path, baselines: dict[int, subprocess.Popen[str]]) -> None:
+    """One rank of a 2-node x 2-rank job is SIGSTOPped with `fault.hang_timeout_s: 60`: the other
+    ranks' watchdogs fire within 120 s, their stacks are in the run's logs, the job requeues
+    and completes with the weights of an uninterrupted run."""
+    resources = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+    run_dir, job = submit(tmp_path, "hung", resources=resources, fault={"hang_timeout_s": 60})
+    wait_checkpoint(run_dir)
+    faults.signal_rank(job, 3, signal.SIGSTOP)
+    stopped = time.monotonic()
+    deadline = stopped + 150
+    while time.monotonic() < deadline and records(job)[:1] != ["REQUEUED"]:
+        time.sleep(1)
+    ended = time.monotonic() - stopped
+    assert records(job)[:1] == ["REQUEUED"], records(job)
+    assert ended < 120 + 10, ended  # 60 s timeout, 1 s polling, srun's teardown
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
+    assert logs.count("hung: no step progress for 60 s") >= 2, logs[-3000:]  # every rank that can run
+    assert "Thread" in logs and "silent ranks: rank 3 on" in logs, logs[-3000:]
+    failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
+    assert len(failed) == 1 and "hung (no step progress" in failed[0]["reason"] and "silent: rank 3 on" in failed[0]["reason"], failed
+    final = wait_done(run_dir, timeout=400)
+    assert final["status"] == "completed", final
+    assert (run_dir / "weights.sha256").read_text() == weights_of(baselines, 4)
 
 
 def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
@@ -110,11 +164,13 @@ def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
     assert "same failure" in shown, shown
 
 
-def test_lost_node_is_recorded_and_excluded(tmp_path: Path) -> None:
+def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baselines: dict[int, subprocess.Popen[str]]) -> None:
     """Every process of the node under a 1-node job, slurmd included, is SIGKILLed: SLURM
     requeues (NODE_FAIL), the job finishes on the other node, state.json and the results name
     the lost node, and after a later requeue (USR2) the job excludes it though it is back."""
-    run_dir, job = submit(tmp_path, "lost-node", training={**TRAINING, "steps": 200})
+    # 0.4 s per step: >= 48 s per attempt, for the node's loss to be noticed (SlurmdTimeout) and
+    # the resumed attempt to be cut once more
+    run_dir, job = submit(tmp_path, "lost-node", job=entrypoint_job(str(ROOT), 0.4))
     wait_checkpoint(run_dir)
     _, node = faults.rank_pid(job, 0)
     other = next(n for n in faults.NODES if n != node)
@@ -147,3 +203,4 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path) -> None:
     assert len(lost) == 1 and f"node lost (NODE_FAIL): {node}" in lost.iloc[0]["reason"], lost[["status", "reason"]]
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     assert f"excluding {node}" in shown, shown
+    assert (run_dir / "weights.sha256").read_text() == weights_of(baselines, 2)
