@@ -88,3 +88,21 @@ def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) 
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_local_baseline(tmp: Path, name: str, world: int, **fields: tp.Any) -> subprocess.Popen[str]:
+    """An uninterrupted run of a cluster test's training on this machine (`--site local`, one
+    node, `world` CPU ranks), started in the background: same world size, same numbers, so its
+    weights are what an interrupted cluster run must end with. `baseline_weights` waits for it."""
+    from tests.delayed_training import entrypoint_job
+
+    partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
+    local = site_copy(tmp, partitions={"local": partition})
+    whole = recipe(tmp, name, **{"job": entrypoint_job(str(ROOT), 0.0), **fields, "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}})
+    return subprocess.Popen([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(local), "--wait", str(whole)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def baseline_weights(proc: subprocess.Popen[str]) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    return (run_dir_of(subprocess.CompletedProcess([], 0, out, "")) / "weights.sha256").read_text()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 import typing as tp
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from tests import faults
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.runs import baseline_weights, hpcrun, recipe, rows, run_dir_of, site_copy, start_local_baseline, state, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
@@ -29,18 +28,10 @@ PAUSED = entrypoint_job(str(ROOT), 0.1)
 
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory: pytest.TempPathFactory) -> tp.Iterator[dict[int, subprocess.Popen[str]]]:
-    """The uninterrupted runs, at world size 4 and 2, on this machine with --site local (same
-    world size, same numbers: the pause per step changes none), started at once in the
-    background while the cluster jobs fail and requeue; `weights_of` waits for one."""
+    """The uninterrupted runs at world size 4 and 2 (tests.runs.start_local_baseline), started
+    at once while the cluster jobs fail and requeue; `weights_of` waits for one."""
     tmp = tmp_path_factory.mktemp("baselines")
-    started = {}
-    for world in (4, 2):
-        partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
-        local = site_copy(tmp, partitions={"local": partition})
-        whole = recipe(tmp, f"whole-{world}", job=entrypoint_job(str(ROOT), 0.0), training=TRAINING, checkpoint=CHECKPOINT,
-                       resources={"nodes": 1, "gpus_per_node": world, "time": "00:10:00"})
-        started[world] = subprocess.Popen([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(local), "--wait", str(whole)],
-                                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    started = {world: start_local_baseline(tmp, f"whole-{world}", world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)}
     yield started
     for proc in started.values():
         proc.kill()
@@ -48,9 +39,7 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> tp.Iterator[dict[int,
 
 
 def weights_of(baselines: dict[int, subprocess.Popen[str]], world: int) -> str:
-    out, _ = baselines[world].communicate(timeout=600)
-    assert baselines[world].returncode == 0, out
-    return (run_dir_of(subprocess.CompletedProcess([], 0, out, "")) / "weights.sha256").read_text()
+    return baseline_weights(baselines[world])
 
 
 def records(job: str) -> list[str]:

@@ -1,5 +1,6 @@
 """Requeue on the real SLURM test cluster: time limit, USR2, preemption, crash cap. Every
-interrupted run must end with the weights of an uninterrupted one, bit for bit."""
+interrupted run, 2 nodes x 2 ranks (world size 4, where a reduction's order could change after a
+restart), must end with the weights of an uninterrupted one, bit for bit."""
 
 from __future__ import annotations
 
@@ -14,17 +15,16 @@ import pytest
 from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
+from tests.runs import baseline_weights, hpcrun, recipe, run_dir_of, site_copy, start_local_baseline, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-TRAINING = {"steps": 300, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+TRAINING = {"steps": 200, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 CHECKPOINT = {"interval": 50, "max_requeues": 4, "export_final": True}
 # Interrupted jobs are bounded by time, not by this CPU's speed: a pause after every step makes
-# the 300 steps last at least 30 s, so after the first checkpoint (step 50) there are >= 25 s for
+# the 200 steps last at least 20 s, so after the first checkpoint (step 50) there are >= 15 s for
 # a signal or a preemption to land. Baselines run the same training without the pause.
 STEP_DELAY_S = 0.1
 PAUSED = entrypoint_job(str(ROOT), STEP_DELAY_S)
-UNPAUSED = entrypoint_job(str(ROOT), 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,17 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("requeue")
 
 
+TWO_NODES = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+
+
 @pytest.fixture(scope="module")
-def baseline(shared: Path) -> str:
-    """The same training, never interrupted (on this machine: same world size, same result)."""
-    site = site_copy(shared)
-    rec = recipe(shared, "baseline", job=UNPAUSED, training=TRAINING, checkpoint=CHECKPOINT)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
-    return (run_dir / "weights.sha256").read_text()
+def baseline(shared: Path) -> tp.Iterator[subprocess.Popen[str]]:
+    """The same training never interrupted, 4 ranks on this machine (same world size, same
+    numbers), started in the background while the cluster tests run."""
+    started = start_local_baseline(shared, "baseline", 4, training=TRAINING, checkpoint=CHECKPOINT)
+    yield started
+    started.kill()
+    started.wait()
 
 
 def records(job: str) -> list[str]:
@@ -67,44 +71,43 @@ def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
 
 def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     site = site_copy(shared, "testcluster")
-    rec = recipe(shared, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, **extra})
+    rec = recipe(shared, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_NODES, **extra})
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 
 
-def test_time_limit_requeues_until_done(shared: Path) -> None:
-    """A job whose work outlasts its 1-minute limit: USR2 ahead of the limit, save, requeue,
+def test_time_limit_requeues_until_done(shared: Path, baseline: subprocess.Popen[str]) -> None:
+    """A job whose work outlasts its 2-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    long = {**TRAINING, "steps": 400}  # with a 0.2 s pause per step, >= 80 s: past the 60-90 s where USR2 comes, less ~15 s start-up
+    # with a 0.45 s pause per step, >= 90 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
     # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
     # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
         shared, "timelimit",
-        resources={"nodes": 1, "gpus_per_node": 2, "time": "00:02:00"},
+        resources={**TWO_NODES, "time": "00:02:00"},
         checkpoint={**CHECKPOINT, "signal_lead_s": 30},
-        training=long,
-        job=entrypoint_job(str(ROOT), 0.2),
+        job=entrypoint_job(str(ROOT), 0.45),
     )
-    whole_rec = recipe(shared, "timelimit-whole", job=UNPAUSED, training=long, checkpoint=CHECKPOINT)
-    whole = run_dir_of(hpcrun("submit", "--site", str(site_copy(shared)), "--wait", str(whole_rec)))
     final = wait_done(run_dir, timeout=600)
     assert final["status"] == "completed"
     starts = records(job)
     assert len(starts) >= 2 and starts[:-1] == ["REQUEUED"] * (len(starts) - 1), starts  # cut at least once
-    assert (run_dir / "weights.sha256").read_text() == (whole / "weights.sha256").read_text()
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
-def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: str) -> None:
+def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: subprocess.Popen[str]) -> None:
     run_dir, job = submit(shared, "usr2")
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     final = wait_done(run_dir)
     assert final["status"] == "completed" and final["restart_count"] == 1
     assert records(job) == ["REQUEUED", "COMPLETED"]
-    assert (run_dir / "weights.sha256").read_text() == baseline
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
-def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: str) -> None:
+def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: subprocess.Popen[str]) -> None:
+    """The higher-priority partition takes both nodes: with GraceTime USR2 and SIGTERM come
+    together; the job is requeued once (by SLURM, not also by hpcrun) and ends bit-identical."""
     run_dir, job = submit(shared, "preempted")
     wait_checkpoint(run_dir)
     urgent = subprocess.run(["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
@@ -112,7 +115,7 @@ def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, base
     assert final["status"] == "completed" and final["restart_count"] == 1, final
     assert len(records(job)) == 2, records(job)  # requeued once: not by SLURM and hpcrun both
     assert records(urgent.split(";")[0]) == ["COMPLETED"]
-    assert (run_dir / "weights.sha256").read_text() == baseline
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
 def test_crashing_job_stops_at_the_cap(shared: Path) -> None:

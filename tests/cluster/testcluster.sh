@@ -141,13 +141,14 @@ node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}", in pools o
     echo "NodeName=$node NodeAddr=$NET.$i CPUs=2 RealMemory=4000 State=UNKNOWN"
     i=$((i + 1))
   done
+  # GraceTime 0 (the default): a preempted job gets USR2 and SIGTERM together, SIGKILL KillWait later
   for ((pool = 0; pool < ${#NODES[@]} / 2; pool++)); do
     local members="${NODES[$((2 * pool))]},${NODES[$((2 * pool + 1))]}" suffix=""
     [ "$pool" -gt 0 ] && suffix=$pool
-    echo "PartitionName=batch$suffix Nodes=$members$([ "$pool" -eq 0 ] && echo ' Default=YES') MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30"
+    echo "PartitionName=batch$suffix Nodes=$members$([ "$pool" -eq 0 ] && echo ' Default=YES') MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
     echo "PartitionName=urgent$suffix Nodes=$members MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF"
   done
-  echo "PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30"
+  echo "PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
