@@ -1,5 +1,6 @@
-"""Exact resume at world size 4: a run stopped once and resumed ends with the same weights
-(sha256 of `checkpoint.export_final`) and the same per-step losses as a run never stopped.
+"""Exact resume at world size 4: a run stopped politely, resumed, killed outright and resumed
+again ends with the same weights (sha256 of `checkpoint.export_final`) and the same per-step
+losses as a run never stopped, for DDP, FSDP and ZeRO-2/3.
 
 At 2 ranks a sum of two numbers has one order, so 2-rank tests cannot see a reduction whose order
 changes after a restart; at 4 ranks DDP's default bucketed all-reduce does (its buckets are
@@ -8,6 +9,7 @@ rebuilt after the first iteration, so a resumed run's first step reduces in anot
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -17,18 +19,20 @@ import pytest
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
 from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state, wait_for
-from tests.test_fault_tolerance import checkpoint_after, ranks, weights
+from tests.test_fault_tolerance import alive, checkpoint_after, controller, ranks, weights
 
 pytestmark = pytest.mark.slow
 
 TRAINING = {"steps": 12, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 RESOURCES = {"nodes": 1, "gpus_per_node": 4, "time": "00:10:00"}  # 4 CPU ranks
-STEP_DELAY_S = 0.5  # the stopped job lasts >= 6 s: time to signal it after its first checkpoint
+STEP_DELAY_S = 0.5  # the stopped job lasts >= 6 s: time to signal, then to kill it, after a checkpoint
 
 
-def interrupted_once(tmp_path: Path, name: str, strategy: dict[str, object]) -> tuple[Path, Path]:
-    """An uninterrupted 4-rank run, and the same recipe stopped (USR2 to one rank after the first
-    checkpoint) and resumed to the end."""
+def interrupted_twice(tmp_path: Path, name: str, strategy: dict[str, object]) -> tuple[Path, Path]:
+    """An uninterrupted 4-rank run, and the same recipe stopped politely (USR2 to one rank only,
+    at a random moment after the first checkpoint: all ranks must agree, save and stop), resumed,
+    then SIGKILLed whole (no chance to save) after a later checkpoint, and resumed to the end."""
+    rng = random.Random(name)
     # 4 rank processes on this machine's cores, whatever their number (oversubscribed is slower, not different)
     partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00", "cpu_peak_tflops_per_rank": 0.05}
     site = site_copy(tmp_path, partitions={"local": partition})
@@ -39,10 +43,18 @@ def interrupted_once(tmp_path: Path, name: str, strategy: dict[str, object]) -> 
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(cut)))
     wait_for(lambda: checkpoint_after(run_dir, 0), what="the first checkpoint")
     wait_for(lambda: len(ranks(run_dir)) == 4, what="the 4 ranks")
-    os.kill(ranks(run_dir)[-1], signal.SIGUSR2)
+    time.sleep(rng.uniform(0, 0.2))
+    os.kill(rng.choice(ranks(run_dir)), signal.SIGUSR2)
     wait_for(lambda: (run_dir / "state.json").exists(), what="the stop")
     stopped = state(run_dir)
     assert stopped["status"] == "stopped" and 0 < stopped["step"] < TRAINING["steps"], stopped
+    hpcrun("resume", "--site", str(site), run_dir.name)
+    wait_for(lambda: checkpoint_after(run_dir, stopped["step"]), what="a checkpoint of the resumed job")
+    time.sleep(rng.uniform(0, 0.2))
+    pids = [controller(run_dir), *ranks(run_dir)]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(alive(p) for p in pids), what="the kill")
     hpcrun("resume", "--site", str(site), "--wait", run_dir.name)
     assert state(run_dir)["status"] == "completed", state(run_dir)
     return baseline, run_dir
@@ -51,7 +63,7 @@ def interrupted_once(tmp_path: Path, name: str, strategy: dict[str, object]) -> 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3"])
 def test_four_ranks_resume_bit_identical(name: str, tmp_path: Path) -> None:
     started = time.monotonic()
-    baseline, run_dir = interrupted_once(tmp_path, name, STRATEGIES[name])
+    baseline, run_dir = interrupted_twice(tmp_path, name, STRATEGIES[name])
     assert losses(run_dir) == losses(baseline)
     assert weights(run_dir) == weights(baseline)
     print(f"{name}: {time.monotonic() - started:.0f} s")
