@@ -124,10 +124,6 @@ class Fault(Frozen):
     ends. None: derived from the first steps' measured step time (at least 300 s)."""
     exclude_failed_nodes: bool = True
     """A requeued job avoids nodes that failed during this run, while the partition has enough."""
-    straggler_factor: float = pydantic.Field(default=1.5, gt=1.0)
-    """A rank persistently slower than this times the median step time is named a straggler."""
-    exclude_slow_nodes: bool = False
-    """Also avoid a straggler's node on the next requeue."""
 
 
 class Recipe(Frozen):
