@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -90,19 +92,31 @@ def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def start_local_baseline(tmp: Path, name: str, world: int, **fields: tp.Any) -> subprocess.Popen[str]:
+def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Path:
     """An uninterrupted run of a cluster test's training on this machine (`--site local`, one
-    node, `world` CPU ranks), started in the background: same world size, same numbers, so its
-    weights are what an interrupted cluster run must end with. `baseline_weights` waits for it."""
+    node, `world` CPU ranks): same world size, same numbers, so its weights are what an
+    interrupted cluster run must end with. Submitted detached, once per test session and recipe:
+    pytest-xdist workers share it through the session's directory (a lock, a fixed run id), and
+    it trains while the cluster jobs run. `baseline_weights` waits for it."""
+    from filelock import FileLock
+
     from tests.delayed_training import entrypoint_job
 
-    partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
-    local = site_copy(tmp, partitions={"local": partition})
-    whole = recipe(tmp, name, **{"job": entrypoint_job(str(ROOT), 0.0), **fields, "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}})
-    return subprocess.Popen([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(local), "--wait", str(whole)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines"
+    shared.mkdir(exist_ok=True)
+    fields = {"job": entrypoint_job(str(ROOT), 0.0), **fields, "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}}
+    run_id = f"baseline-{world}-{hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
+    with FileLock(shared / f"{run_id}.lock"):
+        run_dir = shared / "runs" / run_id
+        if not run_dir.exists():
+            partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
+            local = site_copy(shared, partitions={"local": partition})
+            hpcrun("submit", "--site", str(local), "--run-id", run_id, str(recipe(shared, run_id, **fields)))
+    return run_dir
 
 
-def baseline_weights(proc: subprocess.Popen[str]) -> str:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    return (run_dir_of(subprocess.CompletedProcess([], 0, out, "")) / "weights.sha256").read_text()
+def baseline_weights(run_dir: Path) -> str:
+    wait_for(lambda: (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed"), what=f"the baseline {run_dir.name}", timeout=600)
+    assert state(run_dir)["status"] == "completed", state(run_dir)
+    return (run_dir / "weights.sha256").read_text()

@@ -17,7 +17,7 @@ import pytest
 from tests import faults
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, recipe, rows, run_dir_of, site_copy, start_local_baseline, state, wait_for
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
@@ -27,18 +27,13 @@ PAUSED = entrypoint_job(str(ROOT), 0.1)
 
 
 @pytest.fixture(scope="module")
-def baselines(tmp_path_factory: pytest.TempPathFactory) -> tp.Iterator[dict[int, subprocess.Popen[str]]]:
-    """The uninterrupted runs at world size 4 and 2 (tests.runs.start_local_baseline), started
-    at once while the cluster jobs fail and requeue; `weights_of` waits for one."""
-    tmp = tmp_path_factory.mktemp("baselines")
-    started = {world: start_local_baseline(tmp, f"whole-{world}", world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)}
-    yield started
-    for proc in started.values():
-        proc.kill()
-        proc.wait()
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The uninterrupted runs at world size 4 and 2 (tests.runs.local_baseline; the one at 4 is
+    tests/test_cluster_requeue.py's too), training while the cluster jobs fail and requeue."""
+    return {world: local_baseline(tmp_path_factory, world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)}
 
 
-def weights_of(baselines: dict[int, subprocess.Popen[str]], world: int) -> str:
+def weights_of(baselines: dict[int, Path], world: int) -> str:
     return baseline_weights(baselines[world])
 
 
@@ -83,7 +78,7 @@ def ranks_alive(job: str, world: int) -> list[int]:
     return alive
 
 
-def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path, baselines: dict[int, subprocess.Popen[str]]) -> None:
+def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path, baselines: dict[int, Path]) -> None:
     """SIGKILL to rank 3 of a 2-node x 2-rank job: every rank is gone within 30 s, the failed
     attempt has exactly one results row naming rank, node and signal, and the job requeues once
     and completes from its checkpoint."""
@@ -109,7 +104,7 @@ def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path,
     assert (run_dir / "weights.sha256").read_text() == weights_of(baselines, 4)
 
 
-def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path, baselines: dict[int, subprocess.Popen[str]]) -> None:
+def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path, baselines: dict[int, Path]) -> None:
     """One rank of a 2-node x 2-rank job is SIGSTOPped with `fault.hang_timeout_s: 60`: the other
     ranks' watchdogs fire within 120 s, their stacks are in the run's logs, the job requeues
     and completes with the weights of an uninterrupted run."""
@@ -153,7 +148,7 @@ def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
     assert "same failure" in shown, shown
 
 
-def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baselines: dict[int, subprocess.Popen[str]]) -> None:
+def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baselines: dict[int, Path]) -> None:
     """Every process of the node under a 1-node job, slurmd included, is SIGKILLed: SLURM
     requeues (NODE_FAIL), the job finishes on the other node, state.json and the results name
     the lost node, and after a later requeue (USR2) the job excludes it though it is back."""

@@ -15,13 +15,13 @@ import pytest
 from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, recipe, run_dir_of, site_copy, start_local_baseline, state
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-TRAINING = {"steps": 200, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
-CHECKPOINT = {"interval": 50, "max_requeues": 4, "export_final": True}
+from tests.test_cluster_faults import CHECKPOINT, TRAINING  # noqa: E402  (one baseline serves both files)
+
 # Interrupted jobs are bounded by time, not by this CPU's speed: a pause after every step makes
-# the 200 steps last at least 20 s, so after the first checkpoint (step 50) there are >= 15 s for
+# the 120 steps last at least 12 s, so after the first checkpoint (step 20) there are >= 10 s for
 # a signal or a preemption to land. Baselines run the same training without the pause.
 STEP_DELAY_S = 0.1
 PAUSED = entrypoint_job(str(ROOT), STEP_DELAY_S)
@@ -36,13 +36,10 @@ TWO_NODES = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
 
 
 @pytest.fixture(scope="module")
-def baseline(shared: Path) -> tp.Iterator[subprocess.Popen[str]]:
-    """The same training never interrupted, 4 ranks on this machine (same world size, same
-    numbers), started in the background while the cluster tests run."""
-    started = start_local_baseline(shared, "baseline", 4, training=TRAINING, checkpoint=CHECKPOINT)
-    yield started
-    started.kill()
-    started.wait()
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same training never interrupted, 4 ranks on this machine (tests.runs.local_baseline,
+    shared with tests/test_cluster_faults.py), training while the cluster tests run."""
+    return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT)
 
 
 def records(job: str) -> list[str]:
@@ -76,17 +73,17 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 
 
-def test_time_limit_requeues_until_done(shared: Path, baseline: subprocess.Popen[str]) -> None:
+def test_time_limit_requeues_until_done(shared: Path, baseline: Path) -> None:
     """A job whose work outlasts its 2-minute limit: USR2 ahead of the limit, save, requeue,
     until done; the result equals a run that was never cut."""
-    # with a 0.45 s pause per step, >= 90 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
+    # with a 0.8 s pause per step, >= 96 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
     # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
     # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
         shared, "timelimit",
         resources={**TWO_NODES, "time": "00:02:00"},
         checkpoint={**CHECKPOINT, "signal_lead_s": 30},
-        job=entrypoint_job(str(ROOT), 0.45),
+        job=entrypoint_job(str(ROOT), 0.8),
     )
     final = wait_done(run_dir, timeout=600)
     assert final["status"] == "completed"
@@ -95,7 +92,7 @@ def test_time_limit_requeues_until_done(shared: Path, baseline: subprocess.Popen
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
-def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: subprocess.Popen[str]) -> None:
+def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: Path) -> None:
     run_dir, job = submit(shared, "usr2")
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
@@ -105,7 +102,7 @@ def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: subpr
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
-def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: subprocess.Popen[str]) -> None:
+def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: Path) -> None:
     """The higher-priority partition takes both nodes: with GraceTime USR2 and SIGTERM come
     together; the job is requeued once (by SLURM, not also by hpcrun) and ends bit-identical."""
     run_dir, job = submit(shared, "preempted")

@@ -8,6 +8,7 @@ rebuilt after the first iteration, so a resumed run's first step reduces in anot
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -18,14 +19,31 @@ import pytest
 
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import STRATEGIES, hpcrun, losses, recipe, run_dir_of, site_copy, state, wait_for
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, wait_for
 from tests.test_fault_tolerance import alive, checkpoint_after, controller, ranks, weights
+from tests.test_runtime import MEASURED
 
 pytestmark = pytest.mark.slow
 
 TRAINING = {"steps": 12, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 RESOURCES = {"nodes": 1, "gpus_per_node": 4, "time": "00:10:00"}  # 4 CPU ranks
 STEP_DELAY_S = 0.5  # the stopped job lasts >= 6 s: time to signal, then to kill it, after a checkpoint
+
+
+def trained_and_measured(tmp_path: Path, run_dir: Path, strategy: dict[str, object]) -> None:
+    """The uninterrupted run trained (its loss fell) and filled every measured column of its
+    results row: for these four strategies this replaces a separate 2-rank training test
+    (tests/test_runtime.py `test_strategy_trains` covers the others, and the columns derived from
+    the built-in model's size, which an entrypoint job like this one does not declare)."""
+    assert state(run_dir)["status"] == "completed"
+    curve = losses(run_dir)
+    assert len(curve) == TRAINING["steps"] and curve[-1] < curve[0] - 0.05, curve
+    (row,) = rows(tmp_path, run_dir).to_dict("records")
+    sized = ("tokens_per_s", "tokens_per_s_per_gpu", "parameters", "tflops_per_gpu", "mfu")
+    missing = [c for c in MEASURED if c not in sized and row[c] is None or (isinstance(row[c], float) and math.isnan(row[c]))]
+    assert not missing, f"unfilled measurements: {missing}"
+    assert row["world_size"] == 4 and row["strategy"] == strategy["name"]
+    assert row["checkpoint_saves"] == TRAINING["steps"] // 2 and row["steps_timed"] == TRAINING["steps"] - 2
 
 
 def interrupted_twice(tmp_path: Path, name: str, strategy: dict[str, object]) -> tuple[Path, Path]:
@@ -39,6 +57,7 @@ def interrupted_twice(tmp_path: Path, name: str, strategy: dict[str, object]) ->
     kwargs = {"strategy": strategy, "training": TRAINING, "resources": RESOURCES, "checkpoint": {"interval": 2, "export_final": True}}
     whole = recipe(tmp_path, f"{name}-whole", job=entrypoint_job(str(ROOT), 0.0), **kwargs)
     baseline = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(whole)))
+    trained_and_measured(tmp_path, baseline, strategy)
     cut = recipe(tmp_path, f"{name}-cut", job=entrypoint_job(str(ROOT), STEP_DELAY_S), **kwargs)
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(cut)))
     wait_for(lambda: checkpoint_after(run_dir, 0), what="the first checkpoint")

@@ -17,7 +17,8 @@ MEASURED = [
 ]
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+# ddp, fsdp, zero2 and zero3 train (and are measured) at 4 ranks in tests/test_exact_resume.py
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n not in ("ddp", "fsdp", "zero2", "zero3")])
 def test_strategy_trains(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     if "nvme" in name:  # a private NVMe stand-in, so parallel test runs cannot collide

@@ -96,6 +96,12 @@ SchedulerType=sched/backfill
 MpiDefault=none
 JobRequeue=1
 KillWait=20
+# Longer than KillWait: slurmd answers slurmctld's "end this step" only once the step's tasks
+# are gone (up to KillWait); an answer later than MessageTimeout (default 10 s) makes slurmctld
+# send the request again ~60 s later, when it ends the requeued attempt's step of the same id.
+# hpcrun's ranks end within seconds of SIGTERM (hpcrun/signals.py), but on this machine's two
+# loaded cores slurmd itself can take longer than 10 s.
+MessageTimeout=30
 MinJobAge=600
 InactiveLimit=0
 MaxArraySize=1001
