@@ -16,9 +16,9 @@ from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
 from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state
+from tests.test_cluster_faults import CHECKPOINT, TRAINING  # one uninterrupted run serves both files
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-from tests.test_cluster_faults import CHECKPOINT, TRAINING  # noqa: E402  (one baseline serves both files)
 
 # Interrupted jobs are bounded by time, not by this CPU's speed: a pause after every step makes
 # the 120 steps last at least 12 s, so after the first checkpoint (step 20) there are >= 10 s for
