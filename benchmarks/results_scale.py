@@ -1,5 +1,7 @@
-"""Results scale: load and pivot 10,000 run files before and after compaction (target: under
-1 s after).
+"""Results scale: 10,000 attempts written the way jobs write them (`write_attempt`, which merges
+small files once more than AUTO_COMPACT_FILES accumulate), then read: `load` + a pivot in
+process, and `hpcrun results` end to end (target: under 2 s). Baseline in the same run: the same
+rows as 10,000 one-row files, never merged (what readers faced before).
 
     python benchmarks/results_scale.py [--files 10000]
 """
@@ -9,45 +11,56 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from scratch import scratch  # benchmarks/scratch.py
+from scratch import ROOT, scratch  # benchmarks/scratch.py
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--files", type=int, default=10_000)
     args = parser.parse_args()
-    from hpcrun.compare import compare
-    from hpcrun.results import compact, load, write_attempt
+    import pyarrow.parquet as pq
 
-    tmp = scratch("results-scale-")
+    from hpcrun.compare import compare
+    from hpcrun.results import files, load, table, write_attempt
+
+    written, unmerged = scratch("results-scale-"), scratch("results-scale-unmerged-")
     rng = random.Random(0)
-    start = time.perf_counter()
+    spent = 0.0
     for i in range(args.files):
-        write_attempt(tmp, {
-            "run_id": f"run{i}", "status": "completed", "strategy": rng.choice(["ddp", "fsdp", "deepspeed"]),
+        row = {
+            "run_id": f"run{i}", "attempt_id": f"{i:032x}", "status": "completed", "strategy": rng.choice(["ddp", "fsdp", "deepspeed"]),
             "nodes": rng.choice([1, 2, 4, 8]), "tokens_per_s": rng.uniform(1e4, 1e5), "tokens_per_s_per_gpu": rng.uniform(1e3, 1e4),
             "mfu": rng.uniform(0.2, 0.6), "peak_memory_bytes": rng.randint(2**30, 2**36), "step_time_p50_s": rng.uniform(0.1, 1),
             "start_time": dt.datetime.now(dt.timezone.utc),
-        })
-    print(f"wrote {args.files} files in {time.perf_counter() - start:.1f} s")
-
-    def load_and_pivot() -> float:
+        }
         t = time.perf_counter()
-        df = load(tmp)
+        write_attempt(written, row)
+        spent += time.perf_counter() - t
+        pq.write_table(table([row]), unmerged / f"run{i}.parquet")
+    print(f"write_attempt x {args.files}: {spent:.1f} s ({1e3 * spent / args.files:.1f} ms each, merges included); {len(files(written))} files left")
+
+    def load_and_pivot(directory: Path) -> float:
+        t = time.perf_counter()
+        df = load(directory)
         compare(df, ["strategy", "nodes"])
         assert len(df) == args.files
         return time.perf_counter() - t
 
-    before = load_and_pivot()
-    t = time.perf_counter()
-    merged, rows = compact(tmp)
-    compaction = time.perf_counter() - t
-    after = load_and_pivot()
-    print(f"load + pivot, {args.files} files: {before:.2f} s")
-    print(f"compact: {merged} files -> 1 ({rows} rows) in {compaction:.2f} s")
-    print(f"load + pivot after compaction: {after:.3f} s ({before / after:.0f}x faster; target < 1 s)")
+    def cli(directory: Path) -> float:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "hpcrun.cli", "results", "--dir", str(directory), "--compare", "strategy,nodes"],
+                       cwd=ROOT, check=True, capture_output=True)
+        return time.perf_counter() - t
+
+    base, subject = load_and_pivot(unmerged), load_and_pivot(written)
+    print(f"load + pivot: {args.files} one-row files {base:.2f} s; as written by jobs {subject:.3f} s ({base / subject:.0f}x faster)")
+    base, subject = cli(unmerged), cli(written)
+    print(f"hpcrun results --compare: {args.files} one-row files {base:.2f} s; as written by jobs {subject:.2f} s (target < 2 s)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Parquet benchmark tables: one file per run attempt, the schema declared once, pandas out.
 
 Writers never lock: each attempt writes its own file under a temporary name and renames it,
-so hundreds of jobs can write at once and readers never see a partial file.
+so hundreds of jobs can write at once and readers never see a partial file. When small files
+accumulate, the writer that sees it merges them (`compact_when_many`), so reads stay fast at
+campaign size with no manual step.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+import filelock
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -19,7 +22,7 @@ from hpcrun.rundir import atomic_path, compact_lock
 from hpcrun.steps import STEPS, load_steps, resolve_dir
 from hpcrun.tables import arrow_table
 
-__all__ = ["SCHEMA", "compact", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
+__all__ = ["SCHEMA", "compact", "compact_when_many", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
 
 if tp.TYPE_CHECKING:
     import pandas as pd
@@ -43,6 +46,9 @@ COLUMNS: dict[str, pa.DataType] = {
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(S, F))])
 
 
+AUTO_COMPACT_FILES = 256  # small result files beyond which a writer merges them (compact_when_many)
+
+
 def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
     """Rows as an Arrow table of exactly SCHEMA."""
     return arrow_table(rows, SCHEMA, "results")
@@ -56,7 +62,23 @@ def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:
     row = {**row, "attempt_id": row.get("attempt_id") or uuid.uuid4().hex}
     name = f"{row.get('run_id', 'run')}__{row.get('job_id', 'job')}__{row.get('restart_count', 0)}__{row['attempt_id'][:12]}.parquet"
     _write_atomic(table([row]), directory / name)
+    compact_when_many(directory)
     return directory / name
+
+
+def compact_when_many(results_dir: str | Path, limit: int = AUTO_COMPACT_FILES) -> None:
+    """Keep reads fast with no manual step: when more than `limit` files have accumulated, the
+    writer that sees it merges them (`compact`), unless another compaction runs now (it never
+    waits: the end of a job must not queue behind another's). Every ~`limit` attempts one
+    writer pays ~1 ms per file; `hpcrun results` then reads at most `limit` small files plus
+    one merged file. A compaction that fails is a warning: the attempt's own file is written."""
+    directory = Path(results_dir)
+    if len(files(directory)) <= limit:
+        return
+    try:
+        compact(directory, wait=False)
+    except (OSError, pa.ArrowException, Vanished) as exc:
+        warnings.warn(f"{directory}: results not compacted ({exc}); `hpcrun results compact` merges them", stacklevel=2)
 
 
 def _write_atomic(data: pa.Table, path: Path) -> None:
@@ -129,16 +151,22 @@ def load(results_dir: str | Path, **filters: tp.Any) -> pd.DataFrame:
     return df.reset_index(drop=True)
 
 
-def compact(results_dir: str | Path) -> tuple[int, int]:
+def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
     """Merge the directory's files into one, idempotently and while jobs keep writing.
 
     Only the files present at the start are merged; new ones are left for next time. The merged
     file becomes visible (atomic rename) before the originals are removed, so a reader sees
     every row at every moment (copies meanwhile are dropped by `attempt_id`). A lock keeps two
-    compactions from merging the same files. Returns (files merged, rows written)."""
+    compactions from merging the same files; `wait=False` returns at once, merging nothing,
+    when another holds it. Returns (files merged, rows written)."""
     directory = Path(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    with compact_lock(directory):
+    lock = compact_lock(directory)
+    try:
+        lock.acquire(timeout=-1 if wait else 0)
+    except filelock.Timeout:
+        return 0, 0
+    try:
         inputs = files(directory)
         if len(inputs) <= 1:
             return 0, 0
@@ -147,6 +175,8 @@ def compact(results_dir: str | Path) -> tuple[int, int]:
         for path in inputs:
             path.unlink(missing_ok=True)
         return len(inputs), merged.num_rows
+    finally:
+        lock.release()
 
 
 def _dtype(arrow_type: pa.DataType) -> tp.Any:

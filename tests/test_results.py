@@ -151,3 +151,28 @@ def test_check_against_baseline(tmp_path: Path) -> None:
     assert out.exit_code == 1 and "REGRESSION strategy=ddp: tokens_per_s 1000" in out.output
     out = cli("results", "check", "--dir", str(tmp_path), "--baseline", str(wrong))
     assert out.exit_code == 2 and f"{wrong}: references.0.tolerence: unknown key" in out.output
+
+
+def _many_writer(args: tuple[str, int, int]) -> list[str]:
+    directory, index, count = args
+    ids = []
+    for k in range(count):
+        attempt = uuid.uuid4().hex
+        write_attempt(directory, row(run_id=f"m{index}", attempt_id=attempt, restart_count=k))
+        ids.append(attempt)
+    return ids
+
+
+def test_writers_compact_when_files_accumulate(tmp_path: Path) -> None:
+    """No manual step keeps reads fast: 4 processes write 700 attempts at once, and the writers
+    that find more than AUTO_COMPACT_FILES files merge them (never two at a time) while the others
+    keep writing. Every attempt is there once, in at most AUTO_COMPACT_FILES + a few files."""
+    from hpcrun.results import AUTO_COMPACT_FILES
+
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        written = [a for ids in pool.map(_many_writer, [(str(tmp_path), i, 175) for i in range(4)]) for a in ids]
+    df = load(tmp_path)
+    assert len(written) == 700 and df["attempt_id"].is_unique and sorted(df["attempt_id"]) == sorted(written)
+    assert len(files(tmp_path)) <= AUTO_COMPACT_FILES + 4, len(files(tmp_path))
+    assert any(p.name.startswith("compacted-") for p in files(tmp_path))
