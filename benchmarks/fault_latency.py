@@ -43,17 +43,6 @@ def config(key: str, default: str) -> str:
     return default
 
 
-def job_ranks(job: str, world: int) -> list[int]:
-    alive = []
-    for rank in range(world):
-        try:
-            faults.rank_pid(job, rank, timeout=0)
-            alive.append(rank)
-        except AssertionError:
-            pass
-    return alive
-
-
 def state(run_dir: Path) -> dict[str, tp.Any]:
     path = run_dir / "state.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -91,7 +80,7 @@ def one(tmp: Path, fault: str, n: int) -> str:
         else:
             _, node = faults.rank_pid(job, 0)
             faults.power_off(node)
-        while job_ranks(job, world):
+        while faults.ranks_alive(job, world):
             time.sleep(0.2)
         ended = time.time() - fault_at
         deadline = time.time() + 600

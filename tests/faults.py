@@ -52,6 +52,18 @@ def rank_pid(allocation_id: str, rank: int, timeout: float = 60) -> tuple[int, s
     raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {NODES}")
 
 
+def ranks_alive(allocation_id: str, world: int) -> list[int]:
+    """The ranks of job `allocation_id` whose task still runs (one look)."""
+    alive = []
+    for rank in range(world):
+        try:
+            rank_pid(allocation_id, rank, timeout=0)
+            alive.append(rank)
+        except AssertionError:
+            pass
+    return alive
+
+
 def signal_rank(allocation_id: str, rank: int, sig: signal.Signals = signal.SIGKILL) -> str:
     """SIGKILL (a dead rank) or SIGSTOP (a hung one) to one rank; returns its node."""
     pid, node = rank_pid(allocation_id, rank)

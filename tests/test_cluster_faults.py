@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from hpcrun.rundir import RunDir
+from hpcrun.runtime.failure import newest_checkpoint
 from tests import faults
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
 from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.test_fault_tolerance import checkpoint_after
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
@@ -67,17 +70,6 @@ def submit(tmp: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 
 
-def ranks_alive(job: str, world: int) -> list[int]:
-    alive = []
-    for rank in range(world):
-        try:
-            faults.rank_pid(job, rank, timeout=0)
-            alive.append(rank)
-        except AssertionError:
-            pass
-    return alive
-
-
 def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path, baselines: dict[int, Path]) -> None:
     """SIGKILL to rank 3 of a 2-node x 2-rank job: every rank is gone within 30 s, the failed
     attempt has exactly one results row naming rank, node and signal, and the job requeues once
@@ -86,12 +78,12 @@ def test_killed_rank_ends_the_attempt_once_and_the_job_completes(tmp_path: Path,
     run_dir, job = submit(tmp_path, "killed-rank", resources=two_nodes)
     wait_checkpoint(run_dir)
     faults.rank_pid(job, 3)  # all four ranks running
-    assert ranks_alive(job, 4) == [0, 1, 2, 3], ranks_alive(job, 4)  # the check below can see a live rank
+    assert faults.ranks_alive(job, 4) == [0, 1, 2, 3], faults.ranks_alive(job, 4)  # the check below can see a live rank
     node = faults.signal_rank(job, 3, signal.SIGKILL)
     killed = time.time()
-    while ranks_alive(job, 4) and time.time() - killed < 30:
+    while faults.ranks_alive(job, 4) and time.time() - killed < 30:
         time.sleep(0.5)
-    assert not ranks_alive(job, 4), f"ranks alive 30 s after the kill: {ranks_alive(job, 4)}"
+    assert not faults.ranks_alive(job, 4), f"ranks alive 30 s after the kill: {faults.ranks_alive(job, 4)}"
     final = wait_done(run_dir, timeout=240)
     assert final["status"] == "completed" and final["restart_count"] == 1, final
     assert records(job) == ["REQUEUED", "COMPLETED"], records(job)  # one requeue, not one per rank
@@ -167,8 +159,8 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baselines: dict[int,
         # the resumed attempt's rank 0 records the lost one as it starts
         wait_for(lambda: node in (state(run_dir).get("failed_nodes") or []) if (run_dir / "state.json").exists() else False, what="the lost node's record")
         faults.power_on(node)
-        newest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
-        wait_for(lambda: any(int(p.name.split("-")[1]) > newest for p in (run_dir / "checkpoints").glob("step-*")), what="a checkpoint of the resumed attempt")
+        newest = newest_checkpoint(RunDir(run_dir)) or 0
+        wait_for(lambda: checkpoint_after(run_dir, newest), what="a checkpoint of the resumed attempt")
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         deadline = time.time() + 60
         while "ExcNodeList=" + node not in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout:
