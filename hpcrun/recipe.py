@@ -124,6 +124,12 @@ class Fault(Frozen):
     ends. None: derived from the first steps' measured step time (at least 300 s)."""
     exclude_failed_nodes: bool = True
     """A requeued job avoids nodes that failed during this run, while the partition has enough."""
+    straggler_factor: float | None = pydantic.Field(default=2.0, gt=1)
+    """A rank whose fixed local work takes more than this many times the other ranks' median, at
+    three metrics flushes in a row, is named slow with its node (status, results `slow_ranks`).
+    None: no check."""
+    exclude_slow_nodes: bool = False
+    """A requeued job also avoids the nodes of ranks named slow, while the partition has enough."""
 
 
 class Recipe(Frozen):

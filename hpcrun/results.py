@@ -41,7 +41,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "first_step": I, "last_step": I, "steps_timed": I, "step_time_p50_s": F, "step_time_p95_s": F,
     "tokens_per_s": F, "tokens_per_s_per_gpu": F, "samples_per_s": F, "tflops_per_gpu": F, "mfu": F,
     "peak_memory_bytes": I, "final_loss": F, "checkpoint_saves": I, "checkpoint_save_s": F, "checkpoint_stall_s": F,
-    "checkpoint_write_s": F,
+    "checkpoint_write_s": F, "slow_ranks": S,
 }
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(S, F))])
 

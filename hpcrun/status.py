@@ -175,7 +175,7 @@ def _scheduled(run_dirs: list[Path]) -> list[RunStatus | None]:
             state = "RUNNING" if alive(job["job_id"]) else _from_marker(own)
             submitted = job.get("submitted")
             since = float(submitted) if isinstance(submitted, (int, float)) else None
-            result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), own.get("reason") or "", "local", submitted=since))
+            result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), run_notes(own.get("reason") or "", mark), "local", submitted=since))
             continue
         row = rows.get(job["job_id"])
         if row is None:
@@ -186,10 +186,19 @@ def _scheduled(run_dirs: list[Path]) -> list[RunStatus | None]:
         if own.get("status") == "failed" and state == "COMPLETED":  # stopped at the requeue cap
             state = "FAILED"
         reason = own.get("reason") or ("" if row.reason in ("None", "") else row.reason)
-        if mark.get("excluded_nodes"):  # the run's, whichever attempt decided it
-            reason = f"{reason}; excluding {','.join(mark['excluded_nodes'])}".lstrip("; ")
-        result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, reason, source))
+        result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, run_notes(reason, mark), source))
     return result
+
+
+def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:
+    """The attempt's reason and what the run as a whole learnt, whichever attempt learnt it:
+    ranks named slow while training (hpcrun.runtime.straggler) and the nodes excluded."""
+    if mark.get("slow_ranks"):
+        slow = ", ".join(f"{who} ({ratio:.1f}x)" for who, ratio in sorted(mark["slow_ranks"].items()))
+        reason = f"{reason}; slow: {slow}"
+    if mark.get("excluded_nodes"):
+        reason = f"{reason}; excluding {','.join(mark['excluded_nodes'])}"
+    return reason.lstrip("; ")
 
 
 def _from_marker(mark: dict[str, tp.Any]) -> str:

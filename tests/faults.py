@@ -6,6 +6,7 @@ Also the entrypoint of a job that always crashes at the same step (`crash_entryp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -69,6 +70,38 @@ def signal_rank(allocation_id: str, rank: int, sig: signal.Signals = signal.SIGK
     pid, node = rank_pid(allocation_id, rank)
     os.kill(pid, sig)
     return node
+
+
+CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+
+
+@contextlib.contextmanager
+def throttled(pid: int, share: float = 0.1) -> tp.Iterator[None]:
+    """A slow node, for real: the kernel lets process `pid` (every thread) run only `share` of
+    one CPU, in 10 ms periods (a CFS bandwidth cgroup, like a throttled or oversold machine).
+    The cgroup goes when the block ends (its processes back to the root group)."""
+    period = 10_000
+    quota = str(max(1000, int(share * period)))
+    if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
+        group = CGROUP_V1 / f"hpcrun-slow-{pid}"
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text(str(period))
+        (group / "cpu.cfs_quota_us").write_text(quota)
+    elif (CGROUP_V2 / "cgroup.controllers").exists():
+        group = CGROUP_V2 / f"hpcrun-slow-{pid}"
+        group.mkdir()
+        (group / "cpu.max").write_text(f"{quota} {period}")
+    else:
+        raise AssertionError("no CPU cgroup controller here (/sys/fs/cgroup/cpu or cgroup v2) to slow a process with")
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            for left in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (group.parent / "cgroup.procs").write_text(left)
+        group.rmdir()
 
 
 def power_off(node: str) -> None:

@@ -44,7 +44,7 @@ STEP_CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT \S+(?P
 # what a rank reports when it only saw another one go (the cause is elsewhere)
 CONSEQUENCE = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused", re.IGNORECASE)
 # state.json keys that describe the run, not one attempt: every writer of state.json keeps them
-RUN_LONG = ("failed_nodes", "excluded_nodes")
+RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +269,29 @@ def partition_size(partition: str) -> int:
     return int(found[1]) if found else 0  # unknown: no exclusion (it could leave too few nodes)
 
 
+def exclusions(state: dict[str, tp.Any], nodes: list[str], room: int, needed: int) -> list[str]:
+    """The run's excluded nodes with `nodes` added, as long as a partition of `room` nodes
+    (0: unknown, or exclusion off) still has the job's `needed` beside them; else as they were."""
+    excluded = list(state.get("excluded_nodes") or [])
+    candidates = sorted(set(excluded) | set(nodes))
+    return candidates if room - len(candidates) >= needed else excluded
+
+
+def record_slow(run_dir: RunDir, spec: RunSpec, found: dict[str, float], nodes: list[str]) -> None:
+    """Ranks named slow (hpcrun.runtime.straggler; `found`: "rank R on NODE" -> ratio), kept for
+    the run in state.json for `hpcrun status`; with `fault.exclude_slow_nodes`, their `nodes`
+    are excluded from the job's later attempts like failed ones. Rank 0's metrics writer calls
+    it, off the training thread (it may ask SLURM for the partition's size)."""
+    excluding = spec.recipe.fault.exclude_slow_nodes and spec.scheduler == "slurm"
+    room = partition_size(spec.partition) if excluding else 0
+
+    def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any]:
+        slow = {**(state.get("slow_ranks") or {}), **found}
+        return {**state, "slow_ranks": slow, "excluded_nodes": exclusions(state, nodes, room, spec.nodes)}
+
+    run_dir.update_state(merge)
+
+
 def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allocation_id: str) -> str | None:
     """At an attempt's start (rank 0): when the previous attempt ended without a word, because
     SLURM requeued the job after NODE_FAIL, record it (a results row, state.json's failed nodes)
@@ -298,10 +321,7 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
         if said(state):
             return None
         failed = sorted(set(state.get("failed_nodes") or []) | set(lost))
-        excluded = list(state.get("excluded_nodes") or [])
-        candidates = sorted(set(excluded) | set(lost))
-        if spec.recipe.fault.exclude_failed_nodes and room - len(candidates) >= spec.nodes:  # still enough nodes to run on
-            excluded = candidates
+        excluded = exclusions(state, lost, room, spec.nodes)
         row = {**minimal_row(spec, job_id, restart - 1), "node_list": previous, "status": "failed", "reason": reason,
                "end_time": dt.datetime.now(dt.timezone.utc)}
         write_attempt(spec.results_dir, row)  # the row before the state (see attempt.finish)

@@ -51,7 +51,8 @@ def result_row(ctx: Context, status: str, reason: str | None, peak: int) -> dict
         "git_sha": _git_sha(spec), "site_hash": spec.site_hash, "recipe_hash": _hash(recipe.model_dump_json()),
         "script_hash": _hash(script.read_text()) if script.exists() else None,
         "first_step": ctx.start_step, "last_step": ctx.step if not ctx.stopped else ctx.step + 1,
-        "peak_memory_bytes": peak, **measured, "extra": dict(ctx.measured.extra),
+        "peak_memory_bytes": peak, **measured, "slow_ranks": ctx.recorder.slow_ranks() if ctx.recorder else None,
+        "extra": dict(ctx.measured.extra),
     }
 
 

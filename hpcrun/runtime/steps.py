@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import datetime as dt
 import math
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -23,7 +25,9 @@ import torch.distributed as dist
 from hpcrun import steps as dataset
 from hpcrun.rundir import RunDir, read_json, write_json
 from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime import failure
 from hpcrun.runtime.metrics import peak_memory_bytes
+from hpcrun.runtime.straggler import PERSISTENT, Stragglers, probe
 
 if tp.TYPE_CHECKING:
     from hpcrun.runtime.context import Context
@@ -88,6 +92,14 @@ class StepRecorder:
         }
         self.writer: Writer | None = None
         self.board: tp.Any = None
+        # slow ranks (hpcrun.runtime.straggler): every rank probes at each flush, rank 0 judges
+        factor = ctx.recipe.fault.straggler_factor
+        self.probing = bool(factor) and ctx.world_size > 1 and dist.is_initialized()
+        self.stragglers: Stragglers | None = None
+        if self.probing and factor:
+            nodes: list[tp.Any] = [None] * ctx.world_size
+            dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+            self.stragglers = Stragglers(factor, [str(n) for n in nodes]) if ctx.env.is_main else None
         if ctx.env.is_main:
             self.writer = Writer()
             if self.config.tensorboard:
@@ -130,7 +142,10 @@ class StepRecorder:
         local = [batch[i].seconds for i in sampled] + [math.nan if p.loss is None else p.loss for p in batch]
         world = self.ctx.world_size
         if collective:
-            gathered = self._gather(local)
+            gathered = self._gather(local + ([probe(self.ctx.device)] if self.probing else []))
+            if self.probing:
+                gathered, probes = gathered[:, :-1], gathered[:, -1].tolist()
+                self._judge(probes)
         else:  # a rank alone (leaving on an error): its own times and losses only
             gathered = torch.tensor([local], dtype=torch.float64)
             sampled = []
@@ -156,6 +171,25 @@ class StepRecorder:
             })
         seq, self.seq = self.seq, self.seq + 1
         self.writer.submit(lambda: self._write(rows, seq))
+
+    def _judge(self, probes: list[float]) -> None:
+        """Rank 0: name ranks that stay slow; the run's record (and the exclusion, when asked
+        for) is written by the writer thread."""
+        if self.stragglers is None or self.writer is None:
+            return
+        new = self.stragglers.check(probes)
+        if not new:
+            return
+        for s in new:
+            self.ctx.info(f"slow rank: {s.describe()}, {PERSISTENT} probes in a row over fault.straggler_factor {self.stragglers.factor}")
+        found = {f"rank {s.rank} on {s.node}": round(s.ratio, 2) for s in new}
+        nodes = sorted({s.node for s in new})
+        spec, run_dir = self.ctx.spec, RunDir(self.ctx.spec.run_dir)
+        self.writer.submit(lambda: failure.record_slow(run_dir, spec, found, nodes))
+
+    def slow_ranks(self) -> str | None:
+        """The ranks this attempt named slow (rank 0; the results row's `slow_ranks`)."""
+        return self.stragglers.describe() if self.stragglers is not None else None
 
     def close(self) -> None:
         """End of the attempt: rank 0 writes what is left (alone), its last progress, and waits
