@@ -70,6 +70,7 @@ def main() -> None:
     from hpcrun.status import statuses
 
     log.write_text("")
+    os.environ["HPCRUN_CACHE_DIR"] = str(scratch("pollcache-"))  # a cold poll: no answer shared yet (hpcrun.pollcache)
     run_dirs = sorted(p for p in (tmp / "runs").iterdir() if (p / "runspec.json").exists())
     start = time.perf_counter()
     statuses(run_dirs)

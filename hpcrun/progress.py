@@ -233,7 +233,43 @@ def _sized(out: tp.TextIO) -> bool:
     return size.columns > 0 and size.lines > 0
 
 
-def display(out: tp.TextIO | None = None) -> Display:
-    """Bars when `out` (stderr by default) is a terminal, plain lines otherwise."""
+class Counts:
+    """For many runs (a campaign): one line of how many are done, running, pending and failed
+    when those numbers change, at most every GAP_S seconds (a bar or a line per run of
+    thousands helps nobody)."""
+
+    GAP_S = 5.0
+
+    def __init__(self, out: tp.TextIO) -> None:
+        self.out = out
+        self.said, self.when = "", 0.0
+
+    def show(self, current: list[RunStatus]) -> None:
+        text = counts_line(current)
+        if text != self.said and (not self.said or time.time() - self.when >= self.GAP_S):
+            print(f"{len(current)} runs: {text}", file=self.out, flush=True)
+            self.said, self.when = text, time.time()
+
+    def close(self) -> None:
+        self.out.flush()
+
+
+def counts_line(current: list[RunStatus]) -> str:
+    """`done N  running N  pending N  failed N` of runs."""
+    counts = dict.fromkeys(("done", "running", "pending", "failed"), 0)
+    for r in current:
+        key = "done" if r.state == "COMPLETED" else "running" if r.state == "RUNNING" else "pending" if r.state in ("PENDING", "REQUEUED") else "failed"
+        counts[key] += 1
+    return "  ".join(f"{k} {n}" for k, n in counts.items())
+
+
+MANY_RUNS = 20  # beyond this many runs, --wait shows counts, not a bar or a line per run
+
+
+def display(out: tp.TextIO | None = None, runs: int = 1) -> Display:
+    """Bars when `out` (stderr by default) is a terminal, plain lines otherwise; counts for more
+    than MANY_RUNS runs."""
     out = out or sys.stderr
+    if runs > MANY_RUNS:
+        return Counts(out)
     return Bars(out) if out.isatty() else PlainLines(out)

@@ -81,6 +81,15 @@ def atomic_write(path: Path, data: str | bytes) -> None:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
+def replace_whole(path: Path, text: str) -> None:
+    """Replace `path` whole (readers see the old text or the new, never half), without the fsyncs
+    of atomic_write: for files whose loss in a crash costs nothing (heartbeats, caches), written
+    often enough that an fsync each would weigh on a shared filesystem."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, value: tp.Any) -> None:
     atomic_write(path, json.dumps(value, indent=1, sort_keys=True) + "\n")
 

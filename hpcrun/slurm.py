@@ -33,6 +33,28 @@ def job_id(environ: tp.Mapping[str, str]) -> str:
     return f"{array}_{environ['SLURM_ARRAY_TASK_ID']}" if array else environ["SLURM_JOB_ID"]
 
 
+def compress_ids(job_ids: list[str]) -> list[str]:
+    """Job ids as SLURM's tools take them, each array once: ["7", "9_0", "9_1", "9_2", "9_5"] ->
+    ["7", "9_[0-2,5]"] (one argument, one request per array instead of one per task)."""
+    plain: list[str] = []
+    tasks: dict[str, list[int]] = {}
+    for job in job_ids:
+        array, _, task = job.partition("_")
+        if task.isdigit():
+            tasks.setdefault(array, []).append(int(task))
+        else:
+            plain.append(job)
+    for array, numbers in tasks.items():
+        ranges: list[str] = []
+        for n in sorted(set(numbers)):
+            if ranges and ranges[-1].split("-")[-1] == str(n - 1):
+                ranges[-1] = f"{ranges[-1].split('-')[0]}-{n}"
+            else:
+                ranges.append(str(n))
+        plain.append(f"{array}_{ranges[0]}" if ranges[0].isdigit() and len(ranges) == 1 else f"{array}_[{','.join(ranges)}]")
+    return plain
+
+
 def require(tool: str, why: str) -> None:
     if shutil.which(tool) is None:
         raise SubmissionError(f"{tool} is not on PATH: {why}")

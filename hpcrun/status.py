@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import localjob, progress, slurm
+from hpcrun import localjob, pollcache, progress, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.progress import Progress
 from hpcrun.rundir import RunDir
 
+MAX_WAIT_AGE_S = 30.0  # the oldest scheduler answer a long --wait accepts (hpcrun.status.scheduler_age)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "STOPPED"}
 
 
@@ -45,17 +47,26 @@ class SchedulerRow:
     records: int = 1
 
 
-def sacct(job_ids: list[str]) -> dict[str, SchedulerRow] | None:
-    """One `sacct` call for all `job_ids` (with -D, each requeue is a record: the restart count).
-    None when accounting is disabled."""
+NO_ACCOUNTING = "# accounting storage is disabled\n"  # sacct's answer on a cluster without slurmdbd
+
+
+def sacct(job_ids: list[str], max_age: float = pollcache.POLL_S) -> dict[str, SchedulerRow] | None:
+    """Every requeue of `job_ids` (with -D, each is a record: the restart count), from one
+    `sacct` call that this user's hpcrun processes share (hpcrun.pollcache). None when
+    accounting is disabled."""
     if not job_ids:
         return {}
+    text = pollcache.shared("sacct", job_ids, max_age, _ask_sacct)
+    return None if text == NO_ACCOUNTING else parse_sacct(text)
+
+
+def _ask_sacct(job_ids: list[str]) -> str:
     out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
     if out.returncode != 0:
         if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
-            return None
+            return NO_ACCOUNTING
         raise HpcrunError(f"sacct failed: {out.stderr.strip() or out.stdout.strip()}")
-    return parse_sacct(out.stdout)
+    return out.stdout
 
 
 def parse_sacct(text: str) -> dict[str, SchedulerRow]:
@@ -71,18 +82,24 @@ def parse_sacct(text: str) -> dict[str, SchedulerRow]:
     return rows
 
 
-def squeue(job_ids: list[str]) -> dict[str, SchedulerRow]:
+def squeue(job_ids: list[str], max_age: float = pollcache.POLL_S) -> dict[str, SchedulerRow]:
+    """The queued ones of `job_ids`, from one `squeue` call shared like sacct's (slurmctld is the
+    daemon that suffers most from polling)."""
     if not job_ids:
         return {}
-    out = slurm.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M|%r"])
-    if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
-        raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
     rows = {}
-    for line in out.stdout.splitlines():
+    for line in pollcache.shared("squeue", job_ids, max_age, _ask_squeue).splitlines():
         parts = line.split("|")
         if len(parts) == 5:
             rows[parts[0]] = SchedulerRow(parts[1], parts[2], _elapsed(parts[3]), parts[4])
     return rows
+
+
+def _ask_squeue(job_ids: list[str]) -> str:
+    out = slurm.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M|%r"])
+    if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
+        raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout
 
 
 def _elapsed(text: str) -> int | None:
@@ -139,10 +156,10 @@ def controller_alive(pid: str, run_dir: Path) -> bool:
     return os.path.realpath(given) == os.path.realpath(run_dir)
 
 
-def statuses(run_dirs: list[Path]) -> list[RunStatus]:
+def statuses(run_dirs: list[Path], max_age: float = pollcache.POLL_S) -> list[RunStatus]:
     """The status of each run (its latest job) and its progress, with one scheduler query for
-    all of them."""
-    result = [dataclasses.replace(s, progress=progress.read(Path(d))) for d, s in zip(run_dirs, _scheduled(run_dirs)) if s is not None]
+    all of them, or none when this user's last one is younger than `max_age` (hpcrun.pollcache)."""
+    result = [dataclasses.replace(s, progress=progress.read(Path(d))) for d, s in zip(run_dirs, _scheduled(run_dirs, max_age)) if s is not None]
     now = time.time()
     for status in result:
         p = status.progress
@@ -154,15 +171,15 @@ def statuses(run_dirs: list[Path]) -> list[RunStatus]:
     return result
 
 
-def _scheduled(run_dirs: list[Path]) -> list[RunStatus | None]:
+def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
     """What the scheduler (or, for local runs, the controller's liveness) and the runtime's
     marker say of each run's latest job; None for a run never submitted."""
     latest = {d: job for d in run_dirs if (job := RunDir(d).latest_job())}
     slurm_ids = [j["job_id"] for j in latest.values() if j["scheduler"] == "slurm"]
-    rows = sacct(slurm_ids)
+    rows = sacct(slurm_ids, max_age)
     source = "sacct"
     if rows is None:
-        rows, source = squeue(slurm_ids), "squeue+markers (accounting disabled)"
+        rows, source = squeue(slurm_ids, max_age), "squeue+markers (accounting disabled)"
     result: list[RunStatus | None] = []
     for run_dir in run_dirs:
         job = latest.get(run_dir)
@@ -205,6 +222,13 @@ def _from_marker(mark: dict[str, tp.Any]) -> str:
     return {"completed": "COMPLETED", "failed": "FAILED", "stopped": "STOPPED", "requeued": "REQUEUED"}.get(mark.get("status", ""), "FAILED")
 
 
+def scheduler_age(waited_s: float) -> float:
+    """How old a scheduler answer a long wait accepts: POLL_S for the first minute, then a
+    twentieth of the time waited, at most MAX_WAIT_AGE_S (a day-long wait asks twice a minute;
+    the progress files, on the filesystem, are still read every poll)."""
+    return min(MAX_WAIT_AGE_S, max(pollcache.POLL_S, waited_s / 20))
+
+
 def wait(
     run_dirs: list[Path],
     timeout: float | None = None,
@@ -212,13 +236,25 @@ def wait(
     on_poll: tp.Callable[[list[RunStatus]], None] | None = None,
     interval: float = 1.0,
 ) -> list[RunStatus]:
-    """Poll (one scheduler query per poll) until every run has ended or `timeout` passes;
-    `on_change` sees each new set of states, `on_poll` every poll (progress moves between state
-    changes). Returns the last states."""
-    deadline = None if timeout is None else time.time() + timeout
+    """Poll until every run has ended or `timeout` passes; `on_change` sees each new set of
+    states, `on_poll` every poll (progress moves between state changes). The scheduler is asked
+    at most once per `scheduler_age` (shared with this user's other hpcrun processes); a failed
+    query after a good one is reported on stderr and the last states kept. Returns the last states."""
+    started = time.time()
+    deadline = None if timeout is None else started + timeout
     shown: list[tuple[str, str, int]] = []
+    current: list[RunStatus] = []
+    failed = ""
     while True:
-        current = statuses(run_dirs)
+        polled = time.monotonic()
+        try:
+            current = statuses(run_dirs, scheduler_age(time.time() - started))
+        except HpcrunError as exc:
+            if not current:
+                raise
+            if exc.format_message() != failed:  # once per distinct failure, not once per poll
+                failed = exc.format_message()
+                print(f"[hpcrun] scheduler query failed, keeping the last states: {failed}", file=sys.stderr, flush=True)
         key = [(s.run_id, s.state, s.restarts) for s in current]
         if on_change and key != shown:
             on_change(current)
@@ -227,4 +263,6 @@ def wait(
             on_poll(current)
         if (current and all(s.done for s in current)) or (deadline is not None and time.time() > deadline):
             return current
-        time.sleep(interval)
+        # a watcher of thousands of runs (their files are read every poll) spends at most a
+        # quarter of its time polling: a login node is shared
+        time.sleep(max(interval, 3 * (time.monotonic() - polled)))

@@ -13,10 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests run from the repo root so `sites/` is found, with no user site dirs leaking in."""
+def _repo_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tests run from the repo root so `sites/` is found, with no user site dirs leaking in, and
+    each with its own shared-answers cache (hpcrun.pollcache): a faked sacct's answer must never
+    reach another test, and a test's job ids never another's."""
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("HPCRUN_SITES", raising=False)
+    monkeypatch.setenv("HPCRUN_CACHE_DIR", str(tmp_path / "pollcache"))
 
 
 def cluster_up() -> str | None:

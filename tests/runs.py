@@ -97,14 +97,16 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
     node, `world` CPU ranks): same world size, same numbers, so its weights are what an
     interrupted cluster run must end with. Submitted detached, once per test session and recipe:
     pytest-xdist workers share it through the session's directory (a lock, a fixed run id), and
-    it trains while the cluster jobs run. `baseline_weights` waits for it."""
+    it trains while the cluster jobs run (HPCRUN_TEST_BASELINES: shared by pytest processes too).
+    `baseline_weights` waits for it."""
     from filelock import FileLock
 
     from tests.delayed_training import entrypoint_job
 
     base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines"
-    shared.mkdir(exist_ok=True)
+    # HPCRUN_TEST_BASELINES: a directory pytest processes running at once share (.ci/run)
+    shared = Path(os.environ.get("HPCRUN_TEST_BASELINES") or (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines")
+    shared.mkdir(parents=True, exist_ok=True)
     fields = {"job": entrypoint_job(str(ROOT), 0.0), **fields, "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}}
     run_id = f"baseline-{world}-{hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
     with FileLock(shared / f"{run_id}.lock"):

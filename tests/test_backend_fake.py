@@ -109,3 +109,10 @@ def test_status_falls_back_without_accounting(tools: Path, tmp_path: Path) -> No
     assert all("accounting disabled" in s.source for s in result.values())
     out = cli("status", "--site", str(site_copy(tmp_path, "testcluster")))
     assert "squeue+markers (accounting disabled)" in out.output
+
+
+def test_job_ids_are_compressed_one_argument_per_array() -> None:
+    from hpcrun.slurm import compress_ids
+
+    assert compress_ids(["7", "9_0", "9_1", "9_2", "9_5", "10_3"]) == ["7", "9_[0-2,5]", "10_3"]
+    assert compress_ids([f"4_{i}" for i in reversed(range(1000))]) == ["4_[0-999]"]

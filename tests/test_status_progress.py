@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrun.progress import PlainLines, Progress
+from hpcrun.progress import Counts, PlainLines, Progress, display
 from hpcrun.status import RunStatus
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT, cli
@@ -130,6 +130,26 @@ def test_plain_lines_come_on_changes_and_at_an_interval() -> None:
         "r: RUNNING step 11/50 (22%), 900 tok/s, ETA 0:05",
         "r: COMPLETED step 50/50 (100%)",
     ]
+
+
+def test_many_runs_show_counts_not_a_line_each() -> None:
+    """A campaign's --wait: one line of counts when they change (at most every GAP_S s), not a
+    bar or a line per run."""
+    out = io.StringIO()
+    shown = display(out, runs=300)
+    assert isinstance(shown, Counts)
+    shown.GAP_S = 0.2
+
+    def poll(done: int) -> None:
+        shown.show([RunStatus(f"r{i}", str(i), "COMPLETED" if i < done else "PENDING") for i in range(300)])
+
+    poll(0)
+    poll(0)  # unchanged: nothing
+    poll(1)  # changed, but within the gap: nothing yet
+    time.sleep(0.25)
+    poll(2)
+    assert out.getvalue().splitlines() == ["300 runs: done 0  running 0  pending 300  failed 0", "300 runs: done 2  running 0  pending 298  failed 0"]
+    assert isinstance(display(io.StringIO(), runs=3), PlainLines)
 
 
 # real jobs ---------------------------------------------------------------------------------

@@ -12,26 +12,29 @@ from hpcrun.errors import HpcrunError
 @click.command()
 @site_option
 @click.argument("run", required=False)
-def status(site_name: str, run: str | None) -> None:
+@click.option("--wait", is_flag=True, help="Follow the runs to their end (Ctrl-C stops following, never the jobs); exit non-zero if one failed.")
+def status(site_name: str, run: str | None, wait: bool) -> None:
     """State, nodes, elapsed time, restarts and, while training, step of total, tokens/s, ETA
-    and newest checkpoint of runs (one scheduler query for all). RUN may be a run id, a sweep id
-    or a unique prefix; without it, every run."""
+    and newest checkpoint of runs (one scheduler query for all, shared with this user's other
+    hpcrun processes). RUN may be a run id, a sweep id or a unique prefix; without it, every run."""
     import time
 
-    from hpcrun.progress import duration, live, rate
+    from hpcrun.progress import counts_line, duration, live, rate
     from hpcrun.status import statuses
 
-    rows = statuses(run_dirs(site_name, run, many=True))
+    dirs = run_dirs(site_name, run, many=True)
+    if wait:
+        from hpcrun.cli.submission import follow
+
+        follow(dirs)
+        return
+    rows = statuses(dirs)
     if not rows:
         click.echo("no runs")
         return
     sources = sorted({r.source for r in rows})
     if len(rows) > 1:  # a sweep (or all runs) at a glance
-        counts: dict[str, int] = {}
-        for r in rows:
-            key = "done" if r.state == "COMPLETED" else "running" if r.state == "RUNNING" else "pending" if r.state in ("PENDING", "REQUEUED") else "failed"
-            counts[key] = counts.get(key, 0) + 1
-        click.echo("  ".join(f"{k} {counts.get(k, 0)}" for k in ("done", "running", "pending", "failed")))
+        click.echo(counts_line(rows))
     width = max(24, *(len(r.run_id) for r in rows))
     now = time.time()
     lines = [f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} {'STEP':>13} {'%':>4} {'TOK/S':>6} {'ETA':>8} {'CKPT':>6}  REASON"]
@@ -70,10 +73,10 @@ def logs(site_name: str, run: str, rank: int, follow: bool) -> None:
 @click.argument("run")
 def cancel(site_name: str, run: str) -> None:
     """Cancel RUN (or every run of a sweep id or staged submission)."""
-    from hpcrun.cancel import cancel as cancel_run
+    from hpcrun.cancel import cancel_all
 
-    for run_dir in run_dirs(site_name, run, many=True):
-        click.echo(f"cancelled {run_dir.name} (job {cancel_run(run_dir)})")
+    for run_dir, job in cancel_all(run_dirs(site_name, run, many=True)):
+        click.echo(f"cancelled {run_dir.name} (job {job})")
 
 
 @click.group()

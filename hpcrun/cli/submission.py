@@ -43,20 +43,20 @@ def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str 
     if submitted and not dry_run:
         click.echo(f"  follow:  hpcrun status --site {site.name} {submitted[-1].name}; hpcrun logs --site {site.name} {submitted[-1].name} --follow")
     if wait and submitted:
-        _wait(submitted)
+        follow(submitted)
 
 
 def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
     return str(next(stage.dependency for stage, _ in recipe_file.stages if stage.name == spec.stage))
 
 
-def _wait(run_dirs: list[Path]) -> None:
+def follow(run_dirs: list[Path]) -> None:
     """Follow the runs to their end: a live bar per run on a terminal, a plain line now and then
     otherwise (progress.display). Ctrl-C stops following, never the jobs."""
     from hpcrun.progress import display
     from hpcrun.status import wait
 
-    shown = display()
+    shown = display(runs=len(run_dirs))
     try:
         current = wait(run_dirs, on_poll=shown.show)
     except KeyboardInterrupt:
@@ -75,9 +75,14 @@ def _print_results(run_dirs: list[Path]) -> None:
     from hpcrun.backend import load_spec
     from hpcrun.results import load
 
+    tables: dict[str, pd.DataFrame] = {}  # one read per results directory, however many runs (a sweep)
     for run_dir in run_dirs:
         spec = load_spec(run_dir)
-        df = load(spec.site.results_dir, run_id=spec.run_id)
+        where = str(spec.site.results_dir)
+        if where not in tables:
+            tables[where] = load(where)
+        table = tables[where]
+        df = table[table["run_id"] == spec.run_id] if len(table) else table
         if not len(df):
             continue
         last = df.sort_values("end_time").iloc[-1]
@@ -138,7 +143,7 @@ def resume(site_name: str, run: str, wait: bool) -> None:
     job_id = backend.submit(backend.load_spec(run_dir))
     click.echo(f"resubmitted {run_dir.name} as job {job_id}")
     if wait:
-        _wait([run_dir])
+        follow([run_dir])
 
 
 COMMANDS = [submit, sweep, resume]

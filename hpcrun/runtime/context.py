@@ -48,6 +48,7 @@ class Context:
         self.restored_losses: list[float] = []  # global losses of earlier attempts
         self.step_metrics: dict[str, float] = {}  # what `log` was given during the current step
         self.recorder: StepRecorder | None = None
+        self.own_s = 0.0  # the training thread's time in hpcrun's per-step work (stop flag, metrics, watchdog), saves apart
 
     @property
     def nvme_dir(self) -> str | None:
@@ -88,6 +89,7 @@ class Context:
                 yield step
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+                back = time.perf_counter()  # from here to the save (or the next step): hpcrun's own work
                 done = step + 1
                 self.checkpoints.poll()
                 stop, flush = self._agree(recorder.due())
@@ -99,6 +101,7 @@ class Context:
                 # a step's time includes hpcrun's own per-step work and a flush; a save's stall is counted apart
                 self.measured.step_times.append(time.perf_counter() - start)
                 watchdog.beat(step, self.measured.step_times[-1])
+                self.own_s += time.perf_counter() - back
                 if saving:
                     with watchdog.saving():  # a long save is not a hang
                         self.save(done, block=done == total or bool(stop))
@@ -108,8 +111,12 @@ class Context:
                     return
             self.step = total
         finally:
-            watchdog.stop()
+            watchdog_cpu = watchdog.stop()
             recorder.close()
+            if self.measured.step_times:  # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
+                stepped = sum(self.measured.step_times)
+                self.info(f"hpcrun's per-step work: {self.own_s * 1e3:.1f} ms on the training thread over {len(self.measured.step_times)} steps "
+                          f"({100 * self.own_s / stepped:.3f}% of step time); watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)")
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks

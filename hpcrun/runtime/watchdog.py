@@ -29,14 +29,21 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun.rundir import RunDir, atomic_write
+from hpcrun.rundir import RunDir, replace_whole
 from hpcrun.runtime import failure
 
 EXIT_HUNG = 75
 FLOOR_S = 300.0  # the derived timeout's floor: slower saves and evaluation steps are not hangs
 STEP_FACTOR = 20  # the derived timeout: this many median step times (of the first MEASURED steps)
 MEASURED = 5
-HEARTBEAT_S = 5.0  # at most one heartbeat write per rank this often (shared filesystems)
+HEARTBEAT_S = 5.0  # at most one heartbeat write per rank this often (shared filesystems) ...
+HEARTBEATS_PER_S = 200.0  # ... and at most this many per second from the whole job: 40 s apart at 8,000 ranks
+
+
+def heartbeat_interval(world_size: int) -> float:
+    """Seconds between one rank's heartbeats: HEARTBEAT_S, longer for large jobs, so the shared
+    filesystem's metadata server sees at most HEARTBEATS_PER_S writes from the job."""
+    return max(HEARTBEAT_S, world_size / HEARTBEATS_PER_S)
 
 
 def derived_timeout(step_times: list[float]) -> float:
@@ -69,6 +76,8 @@ class Watchdog:
         self.step = -1  # no step completed yet: not timed (see the module's docstring)
         self.saves = 0  # saves in progress: not timed
         self.written = 0.0
+        self.interval = heartbeat_interval(world_size)
+        self.cpu_s = 0.0  # this thread's CPU time, known when it ends
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hpcrun-watchdog", daemon=True)
         self.thread.start()
@@ -94,8 +103,11 @@ class Watchdog:
             self.last = time.monotonic()
             self.saves -= 1
 
-    def stop(self) -> None:
+    def stop(self) -> float:
+        """End the thread; returns the CPU time it used (its cost, reported by the loop)."""
         self.done.set()
+        self.thread.join(5.0)
+        return self.cpu_s
 
     def _watch(self) -> None:
         while not self.done.wait(1.0):
@@ -103,8 +115,9 @@ class Watchdog:
             timed = self.step >= 0 and not self.saves
             if timeout is not None and timed and time.monotonic() - self.last > timeout:
                 self.fire(timeout)
-            if time.monotonic() - self.written >= HEARTBEAT_S:
+            if time.monotonic() - self.written >= self.interval:
                 self.heartbeat()
+        self.cpu_s = time.thread_time()
 
     def heartbeat(self) -> None:
         """This rank's last step and that this process still runs (`alive`): a stopped or dead
@@ -113,7 +126,7 @@ class Watchdog:
         path = self.run_dir.heartbeat(self.job_id, self.restart, self.rank)
         path.parent.mkdir(exist_ok=True)
         beat = {"rank": self.rank, "host": socket.gethostname(), "step": self.step, "stepped": self.last_wall, "alive": time.time()}
-        atomic_write(path, json.dumps(beat))
+        replace_whole(path, json.dumps(beat))  # a heartbeat lost to a crash says what a stale one says
 
     def fire(self, timeout: float) -> None:
         """Stacks, the silent ranks, and the end of this process (see the module's docstring)."""
@@ -134,7 +147,7 @@ class Watchdog:
 
     def silent_ranks(self, timeout: float) -> list[str]:
         """The other ranks of this attempt whose process has stopped running (no heartbeat for
-        3 x HEARTBEAT_S: SIGSTOPped, dead, or its node gone), with their host and last step."""
+        3 heartbeat intervals: SIGSTOPped, dead, or its node gone), with their host and last step."""
         now, found = time.time(), []
         for rank in range(self.world_size):
             if rank == self.rank:
@@ -145,6 +158,6 @@ class Watchdog:
             except (OSError, ValueError):
                 found.append(f"rank {rank} (no heartbeat)")
                 continue
-            if now - float(beat["alive"]) > 3 * HEARTBEAT_S:
+            if now - float(beat["alive"]) > 3 * self.interval:
                 found.append(f"rank {rank} on {beat['host']} (not running for {now - float(beat['alive']):.0f} s; last step {int(beat['step']) + 1})")
         return found

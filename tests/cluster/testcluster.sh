@@ -12,7 +12,9 @@
 # Partitions: nodes come in pools of two, each with its own pair of partitions, so test
 # processes running at once each get a cluster of their own (tests/runs.py `pool`): pool 0 is
 # `batch` (the default) and `urgent` (a higher priority tier that preempts `batch` with requeue)
-# on node[1-2]; pool k is `batchk`/`urgentk` on the next two nodes. `all` spans every node.
+# on node[1-2]; pool k is `batchk`/`urgentk` on the next two nodes. `all` spans every node; from
+# 8 nodes, `scale` spans the upper half (the scale tests', tests/test_cluster_campaign.py). A user
+# `hpcwatch` runs the polling test's watchers (SLURM counts RPCs per user).
 # N defaults to 2 (one pool), or to the node count of a cluster already up.
 # Needs root. See shared notes/slurm-testbed.md for why each setting is here.
 set -euo pipefail
@@ -155,6 +157,25 @@ node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}", in pools o
     echo "PartitionName=urgent$suffix Nodes=$members MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF"
   done
   echo "PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
+  # from 8 nodes: the upper half for the scale tests (a 1,000-point campaign, training on 4 nodes),
+  # apart from the pools of the first half, where CI runs the other cluster tests at the same time
+  if [ "${#NODES[@]}" -ge 8 ]; then
+    echo "PartitionName=scale Nodes=$(IFS=,; echo "${NODES[*]:${#NODES[@]}/2}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
+  fi
+}
+
+watcher_user() {
+  # An unprivileged user for the polling test: SLURM counts RPCs per user (sdiag, sacctmgr show
+  # stats), so its watchers' queries are told apart from everything root does meanwhile. It runs
+  # this machine's Python and hpcrun: the directories above them must let it pass.
+  id hpcwatch >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin hpcwatch
+  local dir
+  for dir in "$(python3 -c 'import sys; print(sys.base_prefix)')" "$(python3 -c 'import hpcrun, os; print(os.path.dirname(hpcrun.__file__))' 2>/dev/null || true)"; do
+    while [ -n "$dir" ] && [ "$dir" != / ]; do
+      chmod o+x "$dir" 2>/dev/null || true
+      dir=$(dirname "$dir")
+    done
+  done
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -233,6 +254,7 @@ up() {
   if scontrol ping >/dev/null 2>&1 && nodes_up 2>/dev/null; then
     # running (maybe busy): only a changed configuration to apply
     if ! write_config; then log "slurm.conf changed: scontrol reconfigure"; scontrol reconfigure; fi
+    watcher_user
     log "already up"; status; return
   fi
   install_packages
@@ -241,6 +263,7 @@ up() {
   start_munge
   start_mariadb
   start_slurm
+  watcher_user
   log "up: $(sinfo -h -N -o '%N:%t' | tr '\n' ' ')"
 }
 

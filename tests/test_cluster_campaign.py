@@ -1,0 +1,175 @@
+"""Scale on the real controller: a 1,200-point sweep on the test cluster's `scale` partition (the
+upper half of an 8-node cluster, `testcluster.sh up --nodes 8`), held by SLURM as job arrays,
+watched by one and then ten `hpcrun status --wait` processes whose RPCs SLURM itself counts
+(per user: the watchers run as the unprivileged `hpcwatch`), partly run, resubmitted (nothing
+new), and cancelled whole.
+
+CI runs this file apart from the other cluster tests, at the same time (they use the lower half)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing as tp
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy
+from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, wait_checkpoint, wait_done
+
+pytestmark = [pytest.mark.cluster, pytest.mark.scale, pytest.mark.slow]
+
+POINTS = 1200  # past MaxArraySize (1001): two arrays
+WATCH_S = 30.0  # each polling phase; ~15 scheduler answers at the 2 s interval
+WATCHER = "hpcwatch"
+
+
+@pytest.fixture(scope="module")
+def base() -> tp.Iterator[Path]:
+    """A directory the watcher user can read (pytest's own are private to root), removed after."""
+    nodes = subprocess.run(["sinfo", "-h", "-p", "scale", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()
+    assert len(set(nodes)) >= 4, f"needs the `scale` partition of tests/cluster/testcluster.sh up --nodes 8 (found {nodes})"
+    path = Path("/var/tmp") / f"hpcrun-scale-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o755)
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def rpc_counts(user: str) -> tuple[int, int]:
+    """(slurmctld, slurmdbd) remote procedure calls made so far by `user`, as SLURM counts them
+    (`sdiag`, `sacctmgr show stats`: "Remote Procedure Call statistics by user")."""
+
+    def by_user(text: str) -> int:
+        section = text.split("statistics by user", 1)[-1] if "statistics by user" in text else ""
+        found = re.search(rf"^\s*{user}\s+\(\s*\d+\)\s+count:(\d+)", section, re.MULTILINE)
+        return int(found[1]) if found else 0
+
+    ctld = subprocess.run(["sdiag"], capture_output=True, text=True, check=True).stdout
+    dbd = subprocess.run(["sacctmgr", "show", "stats"], capture_output=True, text=True, check=True).stdout
+    return by_user(ctld), by_user(dbd)
+
+
+def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[int, int]:
+    """RPCs of `count` concurrent `hpcrun status --wait SWEEP` processes (as the watcher user)
+    over WATCH_S seconds, counted once all of them are polling."""
+    env = {**os.environ, "HOME": str(home), "HPCRUN_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(ROOT)}
+    # setpriv execs (no process in between): Ctrl-C reaches hpcrun itself
+    cmd = ["setpriv", f"--reuid={WATCHER}", f"--regid={WATCHER}", "--clear-groups", sys.executable, "-m", "hpcrun.cli", "status", "--site", str(site), "--wait", sweep]
+    logs = [home / f"watcher-{count}-{i}.log" for i in range(count)]
+    procs = []
+    for log in logs:
+        with log.open("w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.time() + 120
+        while not all(log.stat().st_size for log in logs):  # each has printed its first states: it polls
+            assert time.time() < deadline and all(p.poll() is None for p in procs), [log.read_text()[-500:] for log in logs]
+            time.sleep(0.5)
+        before = rpc_counts(WATCHER)
+        time.sleep(WATCH_S)
+        after = rpc_counts(WATCHER)
+        assert all(p.poll() is None for p in procs), [log.read_text()[-500:] for log in logs]  # still following, none died
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)  # Ctrl-C: stops following, never the jobs
+        for p in procs:
+            p.wait(60)
+    assert all(p.returncode == 130 for p in procs), [(p.returncode, log.read_text()[-500:]) for p, log in zip(procs, logs)]
+    return after[0] - before[0], after[1] - before[1]
+
+
+def held_tasks(arrays: set[str]) -> collections.Counter[str]:
+    """Every array task SLURM holds (pending, running or ended but still in memory), by id."""
+    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(sorted(arrays)), "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    return collections.Counter(out.split())
+
+
+def scale_site(base: Path) -> Path:
+    return site_copy(base, "testcluster", default_partition="scale", partitions={
+        "scale": {"max_nodes": 4, "gpus_per_node": 0, "cpus_per_node": 2, "memory_gb": 3.9, "max_time": "01:00:00"},
+    })
+
+
+def test_a_campaign_on_the_real_controller(base: Path) -> None:
+    site = scale_site(base)
+    recipe = base / "campaign.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "campaign", "job": {"kind": "command", "command": ["sleep", "6"]},
+        "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:05:00"},
+        "sweep": {"axes": {"training.seed": list(range(POINTS))}, "max_concurrent": 2},
+    }))
+    began = time.monotonic()
+    out = hpcrun("sweep", "--site", str(site), str(recipe)).stdout
+    submitted_in = time.monotonic() - began
+    assert f"submitted {POINTS} point(s)" in out, out[-2000:]
+    assert out.count("  array 0-1000%2:") == 1 and out.count("  array 0-198%2:") == 1, out[-2000:]
+    sweep_dir = next((base / "runs" / "sweeps").iterdir())
+    ledger = json.loads((sweep_dir / "ledger.json").read_text())["points"]
+    jobs = [e["job_id"] for e in ledger.values()]
+    arrays = {j.split("_")[0] for j in jobs}
+    assert len(jobs) == POINTS and len(arrays) == 2  # one sbatch call per array chunk
+    held = held_tasks(arrays)
+    assert sorted(held) == sorted(jobs) and set(held.values()) == {1}, "a point held twice or not at all"
+    print(f"hpcrun sweep of {POINTS} points: {submitted_in:.1f} s")
+
+    home = base / "watcher"
+    home.mkdir()
+    shutil.chown(home, WATCHER)
+    one = watchers(site, sweep_dir.name, 1, home)
+    ten = watchers(site, sweep_dir.name, 10, home)
+    print(f"RPCs over {WATCH_S:.0f} s (slurmctld, slurmdbd): 1 watcher {one}, 10 watchers {ten}")
+    assert one[1] > 0, "the watcher never asked slurmdbd: the count is not of it"
+    assert ten[0] <= 1.2 * max(one[0], 1) and ten[1] <= 1.2 * one[1], (one, ten)
+
+    states = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(sorted(arrays)), "-o", "JobID,State"], capture_output=True, text=True, check=True).stdout
+    assert states.count("|COMPLETED") >= 2, states[:2000]  # a subset ran to its end meanwhile
+    again = hpcrun("sweep", "--site", str(site), str(recipe)).stdout
+    assert f"submitted 0 point(s); {POINTS} already submitted" in again, again[-2000:]
+    assert {j.split("_")[0] for j in held_tasks(arrays)} == arrays  # no new array: still the two
+    hpcrun("cancel", "--site", str(site), sweep_dir.name)
+    deadline = time.time() + 60
+    while subprocess.run(["squeue", "-h", "-r", "-j", ",".join(sorted(arrays))], capture_output=True, text=True).stdout.strip():
+        assert time.time() < deadline, "jobs still queued 60 s after hpcrun cancel"
+        time.sleep(1)
+
+
+def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The built-in benchmark on 4 nodes, one rank per node, over the nodes' interface (rendezvous
+    on the first node of the compressed node list), cut by USR2, requeued and resumed on all four:
+    the same weights as an uninterrupted 4-rank run."""
+    baseline = local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT)
+    site = scale_site(base)
+    # one intra-op thread per rank, as the 4 ranks of the local baseline on this machine's cores
+    # get: a rank alone on a 2-CPU node would take 2, and a matrix product summed by 2 threads
+    # differs in its last bits (seen: the same sha256 interrupted or not on 4 nodes, another
+    # than the local run's from step 4 on)
+    rec = recipe(base, "four-nodes", job=PAUSED, training=TRAINING, checkpoint=CHECKPOINT, resources={"nodes": 4, "gpus_per_node": 1, "time": "00:10:00"},
+                 env={"OMP_NUM_THREADS": "1"})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+    wait_checkpoint(run_dir)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    final = wait_done(run_dir, timeout=300)
+    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert records(job) == ["REQUEUED", "COMPLETED"], records(job)
+    table = rows(base, run_dir)
+    assert list(table.world_size) == [4, 4] and set(table.nodes) == {4}, table[["world_size", "nodes", "node_list"]]
+    node_list = table.node_list.iloc[0]
+    assert re.fullmatch(r"node\[\d+-\d+\]", node_list) and set(table.node_list) == {node_list}, table.node_list  # compressed, the same four
+    first = subprocess.run(["scontrol", "show", "hostnames", node_list], capture_output=True, text=True, check=True).stdout.split()[0]
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.*"))
+    assert "resumed from step-" in logs
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+    print(f"4 nodes {node_list} (MASTER_ADDR: the first, {first}, from the rendered script)")
