@@ -120,10 +120,18 @@ def test_a_campaign_on_the_real_controller(base: Path) -> None:
     jobs = [e["job_id"] for e in ledger.values()]
     arrays = {j.split("_")[0] for j in jobs}
     assert len(jobs) == POINTS and len(arrays) == 2  # one sbatch call per array chunk
-    held = held_tasks(arrays)
-    assert sorted(held) == sorted(jobs) and set(held.values()) == {1}, "a point held twice or not at all"
-    print(f"hpcrun sweep of {POINTS} points: {submitted_in:.1f} s")
+    try:
+        held = held_tasks(arrays)
+        assert sorted(held) == sorted(jobs) and set(held.values()) == {1}, "a point held twice or not at all"
+        print(f"hpcrun sweep of {POINTS} points: {submitted_in:.1f} s")
+        watched_resubmitted_cancelled(site, recipe, base, sweep_dir, arrays)
+    finally:  # a failed check must not leave 1,200 jobs queued beside the other tests
+        subprocess.run(["scancel", *sorted(arrays)], capture_output=True)
 
+
+def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_dir: Path, arrays: set[str]) -> None:
+    """One and then ten watchers (RPCs by SLURM's counters), a subset run, a second sweep that
+    submits nothing, and one `hpcrun cancel` that leaves nothing queued."""
     home = base / "watcher"
     home.mkdir()
     shutil.chown(home, WATCHER)
