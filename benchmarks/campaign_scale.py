@@ -27,30 +27,19 @@ from pathlib import Path
 import yaml
 from scratch import ROOT
 
-USER = "hpcwatch"
-
-
-def rpcs() -> tuple[int, int]:
-    """(slurmctld, slurmdbd) RPCs `USER` has made so far."""
-
-    def by_user(text: str) -> int:
-        section = text.split("statistics by user", 1)[-1]
-        found = re.search(rf"^\s*{USER}\s+\(\s*\d+\)\s+count:(\d+)", section, re.MULTILINE)
-        return int(found[1]) if found else 0
-
-    return (by_user(subprocess.run(["sdiag"], capture_output=True, text=True, check=True).stdout),
-            by_user(subprocess.run(["sacctmgr", "show", "stats"], capture_output=True, text=True, check=True).stdout))
+sys.path.insert(0, str(ROOT))
+from tests.slurmstats import WATCHER as USER  # noqa: E402  (what the polling test counts with)
+from tests.slurmstats import hpcrun_as, rpc_counts  # noqa: E402
 
 
 def as_user(base: Path, *args: str) -> tuple[float, str, tuple[int, int]]:
     """`hpcrun ARGS` as USER: (seconds, stdout, (slurmctld, slurmdbd) RPCs it made)."""
     env = {**os.environ, "HOME": str(base), "HPCRUN_CACHE_DIR": str(base / "cache"), "PYTHONPATH": str(ROOT)}
-    cmd = ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", sys.executable, "-m", "hpcrun.cli", *args]
-    before = rpcs()
+    before = rpc_counts(USER)
     start = time.perf_counter()
-    out = subprocess.run(cmd, env=env, cwd=base, capture_output=True, text=True)
+    out = subprocess.run([*hpcrun_as(USER), *args], env=env, cwd=base, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    after = rpcs()
+    after = rpc_counts(USER)
     if out.returncode != 0:
         raise SystemExit(f"hpcrun {' '.join(args)} exited {out.returncode}: {out.stderr[-2000:]}")
     return seconds, out.stdout, (after[0] - before[0], after[1] - before[1])
@@ -86,7 +75,7 @@ def measure(size: int, partition: str, nodes: int) -> dict[str, tp.Any]:
         sweep = next((base / "runs" / "sweeps").iterdir()).name
         cold_s, shown, cold_rpc = as_user(base, "status", "--site", str(where), sweep)
         warm_s, _, warm_rpc = as_user(base, "status", "--site", str(where), sweep)
-        assert f"{size}" in shown.splitlines()[0] or "pending" in shown.splitlines()[0], shown[:300]
+        assert re.match(r"done \d+  running \d+  pending \d+  failed 0", shown.splitlines()[0]) and shown.count("\n") == size + 1, shown[:300]
         cancel_s, _, cancel_rpc = as_user(base, "cancel", "--site", str(where), sweep)
         return {"points": size, "arrays": arrays, "sweep_s": submit_s, "sweep_rpc": submit_rpc, "cold_s": cold_s, "cold_rpc": cold_rpc,
                 "warm_s": warm_s, "warm_rpc": warm_rpc, "cancel_s": cancel_s, "cancel_rpc": cancel_rpc}

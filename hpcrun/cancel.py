@@ -13,34 +13,34 @@ from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
 from hpcrun.status import controller_alive
 
+NOTHING = "no job was submitted for this run (a dry run?), so there is nothing to cancel"
+
 
 def cancel(run_dir: Path) -> str:
     """Cancel the run's latest job; returns its id."""
-    job = RunDir(run_dir).latest_job()
-    if job is None:
-        raise HpcrunError("no job was submitted for this run (a dry run?), so there is nothing to cancel", run_dir)
-    if job["scheduler"] == "local":
-        if controller_alive(job["job_id"], run_dir):  # not a process that reused the pid since
-            os.kill(int(job["job_id"]), signal.SIGTERM)
-        return str(job["job_id"])
-    out = slurm.run(["scancel", job["job_id"]])
-    if out.returncode != 0:
-        raise HpcrunError(f"scancel failed: {out.stderr.strip() or out.stdout.strip()}")
-    return str(job["job_id"])
+    cancelled, skipped = cancel_all([run_dir])
+    if skipped:
+        raise HpcrunError(NOTHING, run_dir)
+    return cancelled[0][1]
 
 
-def cancel_all(run_dirs: list[Path]) -> list[tuple[Path, str]]:
-    """Cancel every run's latest job: local ones one by one, SLURM ones with one `scancel` (the
-    array tasks of each array written as one range). Returns (run dir, job id) pairs."""
-    done, on_slurm = [], []
+def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path]]:
+    """Cancel every run's latest job: local ones by their controller, SLURM ones with one
+    `scancel` (each array named once, its tasks as one range). Returns the (run dir, job id)
+    pairs cancelled and the run dirs with no job to cancel (dry runs)."""
+    cancelled, on_slurm, skipped = [], [], []
     for run_dir in run_dirs:
         job = RunDir(run_dir).latest_job()
-        if job is None or job["scheduler"] == "local":
-            done.append((run_dir, cancel(run_dir)))  # says why there is nothing to cancel, or signals the controller
+        if job is None:
+            skipped.append(run_dir)
+        elif job["scheduler"] == "local":
+            if controller_alive(job["job_id"], run_dir):  # not a process that reused the pid since
+                os.kill(int(job["job_id"]), signal.SIGTERM)
+            cancelled.append((run_dir, str(job["job_id"])))
         else:
             on_slurm.append((run_dir, str(job["job_id"])))
     if on_slurm:
         out = slurm.run(["scancel", *slurm.compress_ids([j for _, j in on_slurm])])
         if out.returncode != 0:
             raise HpcrunError(f"scancel failed: {out.stderr.strip() or out.stdout.strip()}")
-    return done + on_slurm
+    return cancelled + on_slurm, skipped

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import typing as tp
 from pathlib import Path
@@ -44,17 +45,36 @@ def cache_dir() -> Path:
     return Path(base) / "hpcrun"
 
 
+def cluster_key() -> str:
+    """Which cluster answers: its configuration file and the ClusterName in it (read, no RPC),
+    and this user, so clusters (or users) sharing a home directory never share answers."""
+    conf = Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
+    try:
+        found = re.search(r"^\s*ClusterName\s*=\s*(\S+)", conf.read_text(errors="replace"), re.MULTILINE | re.IGNORECASE)
+    except OSError:
+        found = None
+    return hashlib.sha256(f"{conf}|{found[1] if found else ''}|{os.getuid()}".encode()).hexdigest()[:12]
+
+
 def cache_file(tool: str) -> Path:
-    cluster = hashlib.sha256(os.environ.get("SLURM_CONF", "").encode()).hexdigest()[:12]
-    return cache_dir() / f"{tool}-{cluster}.json"
+    return cache_dir() / f"{tool}-{cluster_key()}.json"
 
 
 def _load(path: Path) -> dict[str, tp.Any]:
+    """The cached answer, or {} when there is none or it is not one this module wrote (torn,
+    edited): asked again, never read as an answer."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # no answer yet, or a torn one: ask again (a cache holds nothing that is not asked again)
-    return data if isinstance(data, dict) else {}
+        if not isinstance(data, dict):
+            return {}
+        for key in ("asked_at", "failed_at", "took_s", "failures"):
+            float(data.get(key) or 0)
+        if not isinstance(data.get("wanted") or {}, dict) or not isinstance(data.get("ids") or [], list):
+            return {}
+        {str(j): float(t) for j, t in (data.get("wanted") or {}).items()}
+        return data
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def shared(tool: str, job_ids: list[str], max_age: float, ask: tp.Callable[[list[str]], str]) -> str:
@@ -63,33 +83,53 @@ def shared(tool: str, job_ids: list[str], max_age: float, ask: tp.Callable[[list
     when the scheduler fails; that failure is remembered and raised again, without asking, to
     every caller the last good answer does not cover until the back-off has passed."""
     path = cache_file(tool)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.with_name(f".{path.name}.lock"))):
-        cache = _load(path)
-        now = time.time()
-        known = {j: float(t) for j, t in (cache.get("wanted") or {}).items() if now - float(t) < KEEP_S}
-        wanted = {**known, **dict.fromkeys(job_ids, now)}
-        stale_marks = any(now - known.get(j, 0.0) > KEEP_S / 10 for j in job_ids)  # worth a write to stay in the union
-        covered = set(job_ids) <= set(cache.get("ids") or [])
-        failures = int(cache.get("failures") or 0)
-        wait = max(max_age, SLOW_FACTOR * float(cache.get("took_s") or 0.0))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path.with_name(f".{path.name}.lock")))
+        lock.acquire()
+    except OSError:  # no usable cache directory (read-only home, no locks there): ask, unshared
+        return ask(job_ids)
+    try:
+        return _shared(path, job_ids, max_age, ask)
+    finally:
+        lock.release()
+
+
+def _shared(path: Path, job_ids: list[str], max_age: float, ask: tp.Callable[[list[str]], str]) -> str:
+    """`shared`, under the cache's lock."""
+    cache = _load(path)
+    now = time.time()
+    known = {j: float(t) for j, t in (cache.get("wanted") or {}).items() if now - float(t) < KEEP_S}
+    wanted = {**known, **dict.fromkeys(job_ids, now)}
+    stale_marks = any(now - known.get(j, 0.0) > KEEP_S / 10 for j in job_ids)  # worth a write to stay in the union
+    covered = set(job_ids) <= set(cache.get("ids") or [])
+    failures = int(cache.get("failures") or 0)
+    wait = max(max_age, SLOW_FACTOR * float(cache.get("took_s") or 0.0))
+    if failures:
+        wait = max(wait, min(MAX_BACKOFF_S, POLL_S * 2 ** min(failures, 16)))
+    last = max(float(cache.get("asked_at") or 0.0), float(cache.get("failed_at") or 0.0))
+    if now - last < wait:
+        if covered and "text" in cache:
+            if stale_marks:
+                _save(path, {**cache, "wanted": wanted})
+            return str(cache["text"])
         if failures:
-            wait = max(wait, min(MAX_BACKOFF_S, POLL_S * 2**failures))
-        last = max(float(cache.get("asked_at") or 0.0), float(cache.get("failed_at") or 0.0))
-        if now - last < wait:
-            if covered and "text" in cache:
-                if stale_marks:
-                    replace_whole(path, json.dumps({**cache, "wanted": wanted}))
-                return str(cache["text"])
-            if failures:
-                raise HpcrunError(f"{cache.get('error')} (not asked again for {wait - (now - last):.0f} s)")
-        ids = sorted(wanted)
-        began = time.monotonic()
-        try:
-            text = ask(ids)
-        except HpcrunError as exc:
-            replace_whole(path, json.dumps({**cache, "wanted": wanted, "failures": failures + 1, "failed_at": time.time(), "error": exc.format_message()}))
-            raise
-        took = time.monotonic() - began
-        replace_whole(path, json.dumps({"ids": ids, "wanted": wanted, "text": text, "asked_at": time.time(), "took_s": took, "failures": 0}))
-        return text
+            retry = time.strftime("%H:%M:%S", time.localtime(last + wait))
+            raise HpcrunError(f"{cache.get('error')} (not asked again before {retry})")
+    ids = sorted(wanted)
+    began = time.monotonic()
+    try:
+        text = ask(ids)
+    except HpcrunError as exc:
+        _save(path, {**cache, "wanted": wanted, "failures": failures + 1, "failed_at": time.time(), "error": exc.format_message()})
+        raise
+    took = time.monotonic() - began
+    _save(path, {"ids": ids, "wanted": wanted, "text": text, "asked_at": time.time(), "took_s": took, "failures": 0})
+    return text
+
+
+def _save(path: Path, cache: dict[str, tp.Any]) -> None:
+    try:
+        replace_whole(path, json.dumps(cache))
+    except OSError:  # a full or read-only disk: the answer is still given, only not shared
+        pass

@@ -243,14 +243,19 @@ class Counts:
     def __init__(self, out: tp.TextIO) -> None:
         self.out = out
         self.said, self.when = "", 0.0
+        self.current: list[RunStatus] = []
 
     def show(self, current: list[RunStatus]) -> None:
+        self.current = current
         text = counts_line(current)
         if text != self.said and (not self.said or time.time() - self.when >= self.GAP_S):
             print(f"{len(current)} runs: {text}", file=self.out, flush=True)
             self.said, self.when = text, time.time()
 
     def close(self) -> None:
+        """The last counts, if a change came within the gap and was not shown."""
+        if self.current and counts_line(self.current) != self.said:
+            print(f"{len(self.current)} runs: {counts_line(self.current)}", file=self.out, flush=True)
         self.out.flush()
 
 
@@ -258,7 +263,7 @@ def counts_line(current: list[RunStatus]) -> str:
     """`done N  running N  pending N  failed N` of runs."""
     counts = dict.fromkeys(("done", "running", "pending", "failed"), 0)
     for r in current:
-        key = "done" if r.state == "COMPLETED" else "running" if r.state == "RUNNING" else "pending" if r.state in ("PENDING", "REQUEUED") else "failed"
+        key = "done" if r.state == "COMPLETED" else "failed" if r.done else "running" if r.state in ("RUNNING", "COMPLETING") else "pending"
         counts[key] += 1
     return "  ".join(f"{k} {n}" for k, n in counts.items())
 

@@ -60,13 +60,24 @@ def sacct(job_ids: list[str], max_age: float = pollcache.POLL_S) -> dict[str, Sc
     return None if text == NO_ACCOUNTING else parse_sacct(text)
 
 
+IDS_PER_CALL = 2000  # one argument of at most ~30 KB (Linux allows 128 KiB per argument)
+
+
+def id_groups(job_ids: list[str]) -> list[str]:
+    """`job_ids` as comma-joined groups small enough for one command-line argument each."""
+    return [",".join(job_ids[i : i + IDS_PER_CALL]) for i in range(0, len(job_ids), IDS_PER_CALL)]
+
+
 def _ask_sacct(job_ids: list[str]) -> str:
-    out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
-    if out.returncode != 0:
-        if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
-            return NO_ACCOUNTING
-        raise HpcrunError(f"sacct failed: {out.stderr.strip() or out.stdout.strip()}")
-    return out.stdout
+    text = ""
+    for group in id_groups(job_ids):
+        out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", group, "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
+        if out.returncode != 0:
+            if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
+                return NO_ACCOUNTING
+            raise HpcrunError(f"sacct failed: {out.stderr.strip() or out.stdout.strip()}")
+        text += out.stdout
+    return text
 
 
 def parse_sacct(text: str) -> dict[str, SchedulerRow]:
@@ -96,10 +107,13 @@ def squeue(job_ids: list[str], max_age: float = pollcache.POLL_S) -> dict[str, S
 
 
 def _ask_squeue(job_ids: list[str]) -> str:
-    out = slurm.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M|%r"])
-    if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
-        raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
-    return out.stdout
+    text = ""
+    for group in id_groups(job_ids):
+        out = slurm.run(["squeue", "-h", "-j", group, "-o", "%i|%T|%N|%M|%r"])
+        if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
+            raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
+        text += out.stdout
+    return text
 
 
 def _elapsed(text: str) -> int | None:
@@ -197,7 +211,7 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
         row = rows.get(job["job_id"])
         if row is None:
             state = _from_marker(own) if own else ("UNKNOWN" if source == "sacct" else "LEFT_QUEUE")
-            result.append(RunStatus(run_dir.name, job["job_id"], state, "", None, int(own.get("restart_count", 0)), own.get("reason") or "", source))
+            result.append(RunStatus(run_dir.name, job["job_id"], state, "", None, int(own.get("restart_count", 0)), run_notes(own.get("reason") or "", mark), source))
             continue
         state = row.state
         if own.get("status") == "failed" and state == "COMPLETED":  # stopped at the requeue cap
@@ -211,7 +225,7 @@ def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:
     """The attempt's reason and what the run as a whole learnt, whichever attempt learnt it:
     ranks named slow while training (hpcrun.runtime.straggler) and the nodes excluded."""
     if mark.get("slow_ranks"):
-        slow = ", ".join(f"{who} ({ratio:.1f}x)" for who, ratio in sorted(mark["slow_ranks"].items()))
+        slow = ", ".join(f"{who} ({ratio:.1f}x)" if isinstance(ratio, (int, float)) else str(who) for who, ratio in sorted(mark["slow_ranks"].items()))
         reason = f"{reason}; slow: {slow}"
     if mark.get("excluded_nodes"):
         reason = f"{reason}; excluding {','.join(mark['excluded_nodes'])}"
@@ -245,10 +259,13 @@ def wait(
     shown: list[tuple[str, str, int]] = []
     current: list[RunStatus] = []
     failed = ""
+    pause = interval
     while True:
         polled = time.monotonic()
         try:
-            current = statuses(run_dirs, scheduler_age(time.time() - started))
+            # an answer as old as this watcher's own pause will do: ten watchers sharing answers
+            # then ask no more often than one alone
+            current = statuses(run_dirs, max(pause, scheduler_age(time.time() - started)))
         except HpcrunError as exc:
             if not current:
                 raise
@@ -265,4 +282,5 @@ def wait(
             return current
         # a watcher of thousands of runs (their files are read every poll) spends at most a
         # quarter of its time polling: a login node is shared
-        time.sleep(max(interval, 3 * (time.monotonic() - polled)))
+        pause = max(interval, 3 * (time.monotonic() - polled))
+        time.sleep(pause)

@@ -93,6 +93,11 @@ def throttled(pid: int, share: float = 0.1) -> tp.Iterator[None]:
         (group / "cpu.max").write_text(f"{quota} {period}")
     else:
         raise AssertionError("no CPU cgroup controller here (/sys/fs/cgroup/cpu or cgroup v2) to slow a process with")
+    # where it was (slurmd may keep its tasks in cgroups of its own): given back at the end
+    v1 = group.parent == CGROUP_V1
+    was = next((line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                if ("cpu" in line.split(":")[1].split(",") if v1 else line.split(":")[1] == "")), "/")
+    home = (CGROUP_V1 if v1 else CGROUP_V2) / was.lstrip("/")
     try:
         (group / "cgroup.procs").write_text(str(pid))
         yield
@@ -100,7 +105,7 @@ def throttled(pid: int, share: float = 0.1) -> tp.Iterator[None]:
         with contextlib.suppress(OSError):
             for left in (group / "cgroup.procs").read_text().split():
                 with contextlib.suppress(OSError):
-                    (group.parent / "cgroup.procs").write_text(left)
+                    (home / "cgroup.procs").write_text(left)
         group.rmdir()
 
 

@@ -78,17 +78,17 @@ def test_ten_processes_ask_as_often_as_one(tmp_path: Path, cache: Path) -> None:
         p.join(60)
         assert p.exitcode == 0
     queries = len(Scheduler(tmp_path / "asked").asked())
-    assert 2 <= queries <= 5, queries
+    assert 2 <= queries <= 8, queries  # about 3 (the processes start at different times under load); 600 unshared
 
 
 def test_a_failing_scheduler_is_not_asked_again_during_the_back_off(tmp_path: Path) -> None:
     good, bad = Scheduler(tmp_path / "asked"), Scheduler(tmp_path / "asked", fail=True)
     pollcache.shared("sacct", ["1"], 0.01, good)
-    time.sleep(0.05)
+    time.sleep(0.3)  # past max_age and SLOW_FACTOR x the (tiny) answer time, even under load
     with pytest.raises(HpcrunError, match="slurmdbd not responding"):
         pollcache.shared("sacct", ["1"], 0.01, bad)
     assert pollcache.shared("sacct", ["1"], 0.01, bad) == "1|RUNNING\n"  # the last good answer, not a new query
-    with pytest.raises(HpcrunError, match=r"slurmdbd not responding \(not asked again for \d+ s\)"):
+    with pytest.raises(HpcrunError, match=r"slurmdbd not responding \(not asked again before \d\d:\d\d:\d\d\)"):
         pollcache.shared("sacct", ["2"], 0.01, bad)  # not covered, and the back-off holds: no query either
     assert len(good.asked()) == 2  # one good query, one failed; none during the back-off
 
@@ -108,7 +108,7 @@ def test_a_job_nobody_follows_leaves_the_query(tmp_path: Path, cache: Path) -> N
     data = json.loads(path.read_text())
     data["wanted"]["old"] -= pollcache.KEEP_S + 1  # last asked for long ago
     path.write_text(json.dumps(data))
-    time.sleep(0.05)
+    time.sleep(0.3)
     pollcache.shared("sacct", ["new"], 0.01, ask)
     assert ask.asked()[-1] == ["new"]
 

@@ -138,7 +138,7 @@ def test_many_runs_show_counts_not_a_line_each() -> None:
     out = io.StringIO()
     shown = display(out, runs=300)
     assert isinstance(shown, Counts)
-    shown.GAP_S = 0.2
+    shown.GAP_S = 2.0
 
     def poll(done: int) -> None:
         shown.show([RunStatus(f"r{i}", str(i), "COMPLETED" if i < done else "PENDING") for i in range(300)])
@@ -146,7 +146,7 @@ def test_many_runs_show_counts_not_a_line_each() -> None:
     poll(0)
     poll(0)  # unchanged: nothing
     poll(1)  # changed, but within the gap: nothing yet
-    time.sleep(0.25)
+    time.sleep(2.1)
     poll(2)
     assert out.getvalue().splitlines() == ["300 runs: done 0  running 0  pending 300  failed 0", "300 runs: done 2  running 0  pending 298  failed 0"]
     assert isinstance(display(io.StringIO(), runs=3), PlainLines)

@@ -3,10 +3,13 @@ runs that were sent."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from hpcrun.cli.options import one_run, run_dirs, site_option
 from hpcrun.errors import HpcrunError
+from hpcrun.rundir import RunDir
 
 
 @click.command()
@@ -23,14 +26,14 @@ def status(site_name: str, run: str | None, wait: bool) -> None:
     from hpcrun.status import statuses
 
     dirs = run_dirs(site_name, run, many=True)
+    rows = statuses(dirs)
+    if not rows:  # none, or only dry runs: nothing to follow either
+        click.echo("no runs")
+        return
     if wait:
         from hpcrun.cli.submission import follow
 
-        follow(dirs)
-        return
-    rows = statuses(dirs)
-    if not rows:
-        click.echo("no runs")
+        follow([Path(d) for d in dirs if RunDir(d).latest_job()])
         return
     sources = sorted({r.source for r in rows})
     if len(rows) > 1:  # a sweep (or all runs) at a glance
@@ -73,10 +76,16 @@ def logs(site_name: str, run: str, rank: int, follow: bool) -> None:
 @click.argument("run")
 def cancel(site_name: str, run: str) -> None:
     """Cancel RUN (or every run of a sweep id or staged submission)."""
-    from hpcrun.cancel import cancel_all
+    from hpcrun.cancel import NOTHING, cancel_all
 
-    for run_dir, job in cancel_all(run_dirs(site_name, run, many=True)):
+    dirs = run_dirs(site_name, run, many=True)
+    cancelled, skipped = cancel_all(dirs)
+    if skipped and not cancelled:
+        raise HpcrunError(NOTHING, skipped[0]) if len(dirs) == 1 else HpcrunError("none of these runs has a submitted job (dry runs?), so there is nothing to cancel")
+    for run_dir, job in cancelled:
         click.echo(f"cancelled {run_dir.name} (job {job})")
+    for run_dir in skipped:
+        click.echo(f"not cancelled {run_dir.name}: no job was submitted (a dry run?)")
 
 
 @click.group()

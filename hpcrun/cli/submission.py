@@ -52,8 +52,9 @@ def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
 
 def follow(run_dirs: list[Path]) -> None:
     """Follow the runs to their end: a live bar per run on a terminal, a plain line now and then
-    otherwise (progress.display). Ctrl-C stops following, never the jobs."""
-    from hpcrun.progress import display
+    otherwise, counts for many runs (progress.display); then each run's result, or for many runs
+    where to find them. Ctrl-C stops following, never the jobs."""
+    from hpcrun.progress import MANY_RUNS, display
     from hpcrun.status import wait
 
     shown = display(runs=len(run_dirs))
@@ -64,7 +65,10 @@ def follow(run_dirs: list[Path]) -> None:
         click.echo(f"\nleft the job running; reattach with: hpcrun status {run_dirs[-1]}", err=True)
         raise SystemExit(130) from None
     shown.close()
-    _print_results(run_dirs)
+    if len(run_dirs) > MANY_RUNS:
+        click.echo(f"{len(run_dirs)} runs ended; their rows: hpcrun results (--sweep for a sweep's)")
+    else:
+        _print_results(run_dirs)
     if any(s.state != "COMPLETED" for s in current):
         raise SystemExit(1)
 

@@ -68,7 +68,7 @@ class Writer:
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to training
-                print(f"[hpcrun] per-step metrics not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                print(f"[hpcrun] per-step metrics or a slow-rank record not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 class StepRecorder:
