@@ -181,10 +181,16 @@ def test_sweep_id_names_its_runs_where_many_are_meant(bare_path: Path, tmp_path:
     (tmp_path / "runs" / "sw-1.p1" / "jobs.json").write_text(json.dumps([{"job_id": "11", "scheduler": "slurm"}]))
     line = one_line_refusal(cli("logs", "--site", str(site), "sw-1"))  # one run wanted: which?
     assert line == "Error: RUN: 'sw-1' matches 3 runs (sw-1.p1, sw-1.p2, sw-10.p1); give one run id"
-    # cancel takes every run of the sweep sw-1 (not sw-10): it stops at the first without a job
-    line = one_line_refusal(cli("cancel", "--site", str(site), "sw-1"), alone=False)
-    assert "sw-1.p2: no job was submitted" in line
+    # cancel takes every run of the sweep sw-1 (not sw-10): the one with a job is cancelled, the
+    # others (dry runs) are named, in one scancel call
+    out = cli("cancel", "--site", str(site), "sw-1")
+    assert out.exit_code == 0, out.output
+    assert "cancelled sw-1.p1 (job 11)" in out.output and "not cancelled sw-1.p2: no job was submitted" in out.output, out.output
+    assert "sw-10" not in out.output
     assert (tmp_path / "cancelled").read_text() == "11\n"
+    # nothing to cancel at all is still an error, one line
+    line = one_line_refusal(cli("cancel", "--site", str(site), "sw-1.p2"))
+    assert "sw-1.p2: no job was submitted for this run" in line, line
 
 
 # --- validate: a site file that forgot `scheduler:` -----------------------------------------------
