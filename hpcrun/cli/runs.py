@@ -26,14 +26,18 @@ def status(site_name: str, run: str | None, wait: bool) -> None:
     from hpcrun.status import statuses
 
     dirs = run_dirs(site_name, run, many=True)
-    rows = statuses(dirs)
-    if not rows:  # none, or only dry runs: nothing to follow either
-        click.echo("no runs")
-        return
-    if wait:
+    if wait:  # following polls the scheduler itself: no query here first
         from hpcrun.cli.submission import follow
 
-        follow([Path(d) for d in dirs if RunDir(d).latest_job()])
+        submitted = [Path(d) for d in dirs if RunDir(d).latest_job()]  # dry runs have nothing to follow
+        if not submitted:
+            click.echo("no runs")
+            return
+        follow(submitted)
+        return
+    rows = statuses(dirs)
+    if not rows:  # none, or only dry runs
+        click.echo("no runs")
         return
     sources = sorted({r.source for r in rows})
     if len(rows) > 1:  # a sweep (or all runs) at a glance
