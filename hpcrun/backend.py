@@ -44,7 +44,7 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
     try:
         if spec.site.scheduler == "local":
             # locally each submission of the run is one restart (SLURM counts its own)
-            job_id = localjob.start(run_dir, spec.ranks_per_node, spec.time_min, spec.signal_lead_s, restart_count=len(earlier))
+            job_id = localjob.start(run_dir, spec.tasks_per_node, spec.time_min, spec.signal_lead_s, restart_count=len(earlier))
         else:
             require_sbatch(spec)
             job_id = slurm.sbatch(run_dir.script, dependency)

@@ -76,6 +76,25 @@ class RunSpec(Frozen):
         return self.nodes * self.ranks_per_node
 
     @property
+    def launcher(self) -> str:
+        job = self.recipe.job
+        return job.launcher if job.kind == "command" else "srun"
+
+    @property
+    def tasks_per_node(self) -> int:
+        """Tasks SLURM starts per node: one per rank, or one torchrun per node."""
+        return 1 if self.launcher == "torchrun" else self.ranks_per_node
+
+    @property
+    def cpus_per_task(self) -> int | None:
+        """A torchrun task holds its node's ranks' CPUs (one each unless the recipe says more):
+        under task/cgroup a task can use only the CPUs it was given."""
+        per_rank = self.recipe.resources.cpus_per_task
+        if self.launcher == "torchrun":
+            return self.ranks_per_node * (per_rank or 1)
+        return per_rank
+
+    @property
     def log_folder(self) -> Path:
         """Per-task logs (`<job>_<task>_log.out`). No `%j` in the folder: SLURM opens `--output`
         before the job could create a per-job directory."""

@@ -42,11 +42,15 @@ class EntrypointJob(Frozen):
 
 
 class CommandJob(Frozen):
-    """A user's existing training command, launched once per rank with the distributed env set."""
+    """A user's existing training command. `launcher: srun` starts it once per rank with the
+    distributed environment set (a Lightning script sees a consistent SLURM allocation);
+    `launcher: torchrun` starts torchrun once per node, which starts the ranks (c10d rendezvous
+    on the first node). The same `command` serves both: torchrun runs it as given."""
 
     kind: tp.Literal["command"]
     command: list[Line] = pydantic.Field(min_length=1)
     workdir: PathStr | None = None
+    launcher: tp.Literal["srun", "torchrun"] = "srun"
 
 
 Job = tp.Annotated[BenchmarkJob | EntrypointJob | CommandJob, pydantic.Field(discriminator="kind")]

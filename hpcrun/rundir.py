@@ -182,6 +182,11 @@ class RunDir:
         """One attempt's global losses, one per line (what exact-resume tests compare)."""
         return self.path / f"losses-{job_id}-{restart}.txt"
 
+    def reported(self, job_id: str, restart: int) -> Path:
+        """The metrics a command job's own script reports for one attempt (JSON lines, written by
+        the script: hpcrun.runtime.reported)."""
+        return self.path / "reported" / f"{job_id}-{restart}.jsonl"
+
     def exit_record(self, job_id: str, restart: int, rank: int) -> Path:
         """What a failing rank knew as it failed (error, step, node, its row so far): read once,
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""

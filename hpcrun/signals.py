@@ -32,6 +32,7 @@ class SignalFlag:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.child: subprocess.Popen[bytes] | None = None  # a command job's process, which gets it forwarded
+        self.forwarded = False
         self.terms_handled = 0  # SIGTERMs the Python handler has seen (the watcher compares)
         self.installed = False
 
@@ -52,8 +53,14 @@ class SignalFlag:
         self.signum = signum
         if signum == signal.SIGTERM:
             self.terms_handled += 1
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
+        self.forward()
+
+    def forward(self) -> None:
+        """Tell a command job's process to stop: once, as SIGTERM, what launchers and frameworks
+        take as "save and exit" (hpcrun.runtime.command); under SLURM it also gets SLURM's own."""
+        if self.child is not None and not self.forwarded and self.child.poll() is None:
+            self.forwarded = True
+            self.child.send_signal(signal.SIGTERM)
 
     def _watch(self, read: int) -> None:
         seen = 0

@@ -4,13 +4,18 @@
 - on USR2 (ahead of the time limit) or SIGTERM (preemption, scancel), which hpcrun forwards to
   it, it saves under $HPCRUN_CHECKPOINT_DIR and exits (any exit code: hpcrun requeues the run
   because a stop signal came; a script that ignores the signal is killed and requeued anyway);
-- when it starts, it resumes from what it saved there.
+- when it starts, it resumes from what it saved there;
+- optionally, it reports its steps to hpcrun: one JSON line per step appended to $HPCRUN_METRICS
+  (hpcrun.runtime.reported), which hpcrun folds into the per-step table and the results row.
+
+It runs the same with `launcher: srun` (one process per rank) and `launcher: torchrun`.
 
 Signals may reach only some ranks: the ranks agree at each step boundary (one tiny all-reduce)
 so that all of them stop after the same step.
 """
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -37,6 +42,7 @@ signal.signal(signal.SIGTERM, on_stop)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 run_dir, checkpoint_dir = os.environ["HPCRUN_RUN_DIR"], os.environ["HPCRUN_CHECKPOINT_DIR"]
+metrics = os.environ.get("HPCRUN_METRICS") if rank == 0 else None
 saved = os.path.join(checkpoint_dir, "command_train.pt")
 
 torch.manual_seed(0)
@@ -69,6 +75,9 @@ for step in range(start, args.steps):
     loss.backward()
     optimizer.step()
     time.sleep(args.step_delay_s)
+    if metrics:
+        with open(metrics, "a") as f:
+            f.write(json.dumps({"step": step + 1, "loss": loss.item(), "total": args.steps}) + "\n")
     stop = torch.tensor([stop_signal])
     dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank learns whether any was signalled
     if stop.item():

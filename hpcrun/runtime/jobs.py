@@ -1,20 +1,17 @@
 """The three kinds of job a recipe can run, each a function of the Context: the built-in GPT
-benchmark, a user's `module:function`, and a user's own command once per rank."""
+benchmark, a user's `module:function`, and a user's own command (hpcrun.runtime.command)."""
 
 from __future__ import annotations
 
 import importlib
-import os
-import signal
-import subprocess
 import sys
-import time
 import typing as tp
 from pathlib import Path
 
 import torch
 
-from hpcrun.recipe import CommandJob, EntrypointJob
+from hpcrun.recipe import EntrypointJob
+from hpcrun.runtime.command import run_command
 from hpcrun.runtime.context import Context
 from hpcrun.sizes import GPTSize
 
@@ -59,54 +56,4 @@ def user_entrypoint(ctx: Context) -> None:
     getattr(importlib.import_module(module_name), func_name)(ctx)
 
 
-def user_command(ctx: Context) -> None:
-    """The user's own script, once per rank, with RANK/WORLD_SIZE/MASTER_* already exported and
-    the run's places named (its run and checkpoint directories, its id). The contract: on USR2 or
-    SIGTERM (forwarded to the script) save what it needs under HPCRUN_CHECKPOINT_DIR and exit;
-    on start, resume from there. A script that exits after a stop signal, whatever its exit code,
-    is a stopped attempt that requeues; one that ignores the signal is killed after
-    `stop_grace_s(ctx)` and requeued all the same (it resumes from its last own save)."""
-    job = ctx.recipe.job
-    assert isinstance(job, CommandJob)
-    env = {**os.environ, "HPCRUN_RUN_DIR": str(ctx.run_dir.path), "HPCRUN_RUN_ID": ctx.spec.run_id, "HPCRUN_CHECKPOINT_DIR": str(ctx.checkpoints.root)}
-    cwd = Path(ctx.spec.recipe_path).resolve().parent / job.workdir if job.workdir else None
-    ctx.flag.child = child = subprocess.Popen(job.command, env=env, cwd=cwd)
-    code = wait_stoppable(child, ctx)
-    if ctx.flag.signum is not None:
-        ctx.stopped = signal.Signals(ctx.flag.signum).name
-        ctx.info(f"{ctx.stopped}: command exited with status {code} after the stop signal, stopping for requeue")
-        return
-    if code != 0:
-        raise RuntimeError(f"command {job.command[0]!r} exited with status {code} on rank {ctx.rank}")
-
-
-# The most a user script gets to exit after a stop signal: well below the shortest KillWait hpcrun
-# runs under (20 s: the test cluster's and the local controller's; SLURM's default is 30 s), so
-# that after a kill the rank still has time to write its row and requeue before SIGKILL.
-STOP_GRACE_MAX_S = 12.0
-
-
-def stop_grace_s(ctx: Context) -> float:
-    """How long a script may take to save and exit after a stop signal: half the lead SLURM
-    gives before the time limit, and at most STOP_GRACE_MAX_S, since on preemption only
-    KillWait separates SIGTERM from SIGKILL."""
-    return max(1.0, min(STOP_GRACE_MAX_S, ctx.spec.signal_lead_s / 2))
-
-
-def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context) -> int:
-    """The script's exit status; after a stop signal it gets `stop_grace_s` to exit, then is
-    killed (its exit is then a stop like any other)."""
-    deadline: float | None = None
-    while True:
-        try:
-            return child.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            pass
-        if ctx.flag.signum is not None and deadline is None:
-            deadline = time.monotonic() + stop_grace_s(ctx)
-        if deadline is not None and time.monotonic() > deadline:
-            ctx.info(f"command still running {stop_grace_s(ctx):.0f} s after the stop signal: killed")
-            child.kill()
-
-
-JOBS: dict[str, tp.Callable[[Context], None]] = {"benchmark": builtin_benchmark, "entrypoint": user_entrypoint, "command": user_command}
+JOBS: dict[str, tp.Callable[[Context], None]] = {"benchmark": builtin_benchmark, "entrypoint": user_entrypoint, "command": run_command}

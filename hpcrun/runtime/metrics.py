@@ -36,7 +36,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(
-    m: Measurements, warmup: int, tokens_per_step: int | None, samples_per_step: int, world: int,
+    m: Measurements, warmup: int, tokens_per_step: int | None, samples_per_step: int | None, world: int,
     flops_per_token: int | None, peak_tflops: float | None,
 ) -> dict[str, tp.Any]:
     timed = m.step_times[warmup:] if len(m.step_times) > warmup else m.step_times
@@ -46,7 +46,7 @@ def summarise(
         "step_time_p50_s": percentile(timed, 50),
         "step_time_p95_s": percentile(timed, 95),
         "tokens_per_s": tokens_per_step / mean if mean and tokens_per_step else None,
-        "samples_per_s": samples_per_step / mean if mean else None,
+        "samples_per_s": samples_per_step / mean if mean and samples_per_step else None,
     }
     row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / world if row["tokens_per_s"] else None
     tflops = (row["tokens_per_s_per_gpu"] * flops_per_token / 1e12) if flops_per_token and row["tokens_per_s_per_gpu"] else None

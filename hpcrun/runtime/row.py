@@ -26,10 +26,11 @@ def result_row(ctx: Context, status: str, reason: str | None, peak: int) -> dict
     spec, recipe = ctx.spec, ctx.recipe
     t = recipe.training
     size = spec.size
-    world = ctx.world_size
-    samples = world * t.micro_batch * t.grad_accum
+    world = spec.world_size  # a torchrun task is a node, not a rank
+    # a command job's batch is the script's own: the recipe's training fields say nothing of it
+    samples = world * t.micro_batch * t.grad_accum if recipe.job.kind != "command" else None
     measured = summarise(
-        ctx.measured, t.warmup_steps, samples * t.seq_len if size else None, samples, world,
+        ctx.measured, t.warmup_steps, samples * t.seq_len if size and samples else None, samples, world,
         size.flops_per_token(t.seq_len) if size else None, spec.peak_tflops,
     )
     script = ctx.run_dir.script

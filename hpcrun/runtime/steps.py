@@ -33,6 +33,15 @@ if tp.TYPE_CHECKING:
     from hpcrun.runtime.context import Context
 
 
+def attempt_ids(ctx: Context) -> dict[str, tp.Any]:
+    """The columns naming the run and attempt a step row belongs to."""
+    spec = ctx.spec
+    return {
+        "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
+        "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "restart_count": ctx.env.restart_count,
+    }
+
+
 class Pending(tp.NamedTuple):
     """What one rank knows of one step until the next flush."""
 
@@ -86,10 +95,7 @@ class StepRecorder:
         self.spent_s = 0.0  # the training thread's time in `record` and `flush`: this feature's cost
         samples = ctx.world_size * training.micro_batch * training.grad_accum
         self.tokens_per_step = samples * training.seq_len if spec.size else None
-        self.ids = {
-            "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
-            "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "restart_count": ctx.env.restart_count,
-        }
+        self.ids = attempt_ids(ctx)
         self.writer: Writer | None = None
         self.board: tp.Any = None
         # slow ranks (hpcrun.runtime.straggler): every rank probes at each flush, rank 0 judges

@@ -1,0 +1,110 @@
+"""hpcrun's side of a Lightning script it runs: a Trainer callback Lightning loads by itself.
+
+hpcrun registers `callbacks` under Lightning's `lightning.pytorch.callbacks_factory` entry
+point, so every `Trainer` built inside a command job run by hpcrun (HPCRUN_RUN_DIR set) gets
+`HpcrunStop` without a line of the script changed; anywhere else the factory returns nothing.
+hpcrun itself never imports this module (Lightning is an optional extra).
+
+Who handles what, so that one signal means exactly one save and one requeue:
+- hpcrun owns the requeue. SLURM sends USR2 (hpcrun's `--signal=USR2@lead`), never USR1, so
+  Lightning's own auto-requeue (a USR1 handler that saves and runs `scontrol requeue` itself)
+  never fires, and a job array is never requeued whole by it.
+- During training this callback owns USR2 and SIGTERM: the handler only sets a flag. Lightning's
+  own SIGTERM handler broadcasts inside the handler, which deadlocks when the signal reaches
+  ranks at different points of a step (one in a collective, one not); this callback's flag is
+  agreed on by all ranks at the end of every training batch (one tiny all-reduce), then all
+  ranks save Lightning's HPC checkpoint (`hpc_ckpt_<n>.ckpt` in the Trainer's root, which hpcrun
+  points at the run's directory) and leave `fit` by SystemExit, before any code after `fit`
+  could take the stop for the end of training.
+- On the requeued attempt Lightning resumes from that checkpoint by itself (under SLURM, with
+  `ckpt_path=None`, it loads the newest HPC checkpoint): the global step continues.
+
+It also reports rank 0's steps (global step, loss, total) to hpcrun through $HPCRUN_METRICS
+(hpcrun.runtime.reported), so a Lightning run has hpcrun's per-step table and results row.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import json
+import math
+import os
+import re
+import signal
+import time
+import typing as tp
+
+import lightning.pytorch as pl
+
+HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")  # Lightning's HPC checkpoint names
+PARTIAL = "hpcrun-stop.partial"  # not matching `hpc_ckpt_`: Lightning never picks a partial save
+
+
+def callbacks() -> list[pl.Callback]:
+    """The entry point: hpcrun's callback inside an hpcrun command job, nothing elsewhere."""
+    return [HpcrunStop()] if "HPCRUN_RUN_DIR" in os.environ else []
+
+
+class HpcrunStop(pl.Callback):
+    def __init__(self) -> None:
+        self.signum = 0
+        self.previous: dict[int, tp.Any] = {}
+        self.metrics = os.environ.get("HPCRUN_METRICS")
+        self.reported_step = -1
+
+    def _handle(self, signum: int, frame: tp.Any) -> None:
+        self.signum = signum
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after Lightning registered its handlers for this fit; its teardown restores the originals
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: tp.Any, batch: tp.Any, batch_idx: int) -> None:
+        if trainer.is_global_zero:
+            self._report(trainer, outputs)
+        if not trainer.strategy.reduce_boolean_decision(bool(self.signum), all=False):
+            return
+        root = str(trainer.default_root_dir)
+        final = os.path.join(root, f"hpc_ckpt_{next_version(root)}.ckpt")  # every rank, before anyone renames
+        partial = os.path.join(root, PARTIAL)
+        trainer.save_checkpoint(partial)  # collective; returns after its barrier
+        if trainer.is_global_zero:
+            os.replace(partial, final)
+            print(f"[hpcrun] {signal.Signals(self.signum).name if self.signum else 'a peer'}'s stop: saved {final} at global step {trainer.global_step}; leaving fit for requeue", flush=True)
+        raise SystemExit(0)
+
+    def _report(self, trainer: pl.Trainer, outputs: tp.Any) -> None:
+        if not self.metrics or trainer.global_step == self.reported_step:
+            return  # only optimizer steps: batches accumulating gradients do not count
+        self.reported_step = trainer.global_step
+        line: dict[str, tp.Any] = {"step": trainer.global_step, "time": time.time()}
+        loss = outputs.get("loss") if isinstance(outputs, collections.abc.Mapping) else outputs
+        if loss is not None and hasattr(loss, "item"):
+            line["loss"] = float(loss.item())
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        if isinstance(total, (int, float)) and math.isfinite(total):
+            line["total"] = int(total)
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def next_version(root: str) -> int:
+    """The number Lightning's next HPC checkpoint in `root` takes (it resumes from the highest)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return 1
+    found = [int(m.group(1)) for m in map(HPC_CHECKPOINT.match, names) if m]
+    return max(found, default=0) + 1

@@ -1,0 +1,141 @@
+"""Metrics a command job's own script reports, folded into hpcrun's tables.
+
+hpcrun does not see a command job's training loop, so the script may tell it what it measured:
+one JSON object per line appended to the file named by `$HPCRUN_METRICS` (one file per attempt,
+written by one process, usually rank 0):
+
+    {"step": 120, "loss": 2.31, "lr": 0.0003, "tokens_per_s": 51200.0, "total": 1000}
+
+`step` (completed optimizer steps, counted from the start of the run, not of the attempt) is
+required; `loss`, `lr`, `grad_norm`, `tokens_per_s` fill the per-step table's columns of those
+names; `time` (unix seconds; else when hpcrun read the line) dates the step; `total` (the steps
+the run will take) gives `hpcrun status` its ETA; any other number goes into `extra`.
+
+While the script runs, rank 0's launcher reads new complete lines every few seconds and writes
+them as per-step batches and progress.json, exactly as for built-in jobs; at the end of the
+attempt they fill the results row (first and last step, step times, final loss). A line that is
+not such an object is skipped with one warning per attempt: the file is the script's output,
+not hpcrun's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import time
+import typing as tp
+from pathlib import Path
+
+from hpcrun import steps as dataset
+from hpcrun.rundir import write_json
+
+COLUMNS = ("loss", "lr", "grad_norm", "tokens_per_s")
+KNOWN = {"step", "time", "total", *COLUMNS}
+
+
+@dataclasses.dataclass
+class Line:
+    step: int
+    time: float
+    total: int | None
+    values: dict[str, float]  # COLUMNS present in the line
+    extra: dict[str, float]
+
+
+def parse(text: str, read_at: float) -> Line | None:
+    """One reported line, or None when it is not a JSON object with an integer `step`."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int) or isinstance(data["step"], bool):
+        return None
+    numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    total = data.get("total")
+    return Line(
+        step=data["step"], time=numbers.get("time", read_at),
+        total=total if isinstance(total, int) and not isinstance(total, bool) else None,
+        values={k: numbers[k] for k in COLUMNS if k in numbers},
+        extra={k: v for k, v in numbers.items() if k not in KNOWN},
+    )
+
+
+class Reported:
+    """Rank 0's reader of one attempt's reported metrics: `poll` writes what is new, `lines`
+    holds everything read."""
+
+    def __init__(self, path: Path, results_dir: str, progress: Path, ids: dict[str, tp.Any], warn: tp.Callable[[str], None]) -> None:
+        self.path, self.results_dir, self.progress_path, self.ids, self.warn = path, results_dir, progress, ids, warn
+        self.offset = 0
+        self.lines: list[Line] = []
+        self.seq = 0
+        self.warned = False
+
+    def poll(self) -> None:
+        """Read the complete lines appended since the last poll; write them as one batch of
+        step rows and refresh progress.json."""
+        new = self._read()
+        if not new:
+            return
+        previous = self.lines[-1] if self.lines else None
+        self.lines.extend(new)
+        rows = []
+        for line in new:
+            seconds = _step_seconds(previous, line)
+            rows.append({
+                **self.ids, "step": line.step, "time": dt.datetime.fromtimestamp(line.time, dt.timezone.utc),
+                **{k: line.values.get(k) for k in COLUMNS},
+                "step_time_s": seconds, "step_time_min_s": None, "step_time_median_s": None, "step_time_max_s": None,
+                "slowest_rank": None, "memory_bytes": None, "extra": line.extra,
+            })
+            previous = line
+        dataset.write_batch(self.results_dir, rows, self.seq)
+        self.seq += 1
+        self._write_progress()
+
+    def step_times(self) -> list[float]:
+        """Seconds per step between consecutive reported lines of this attempt."""
+        times = [_step_seconds(a, b) for a, b in zip(self.lines, self.lines[1:])]
+        return [t for t in times if t is not None]
+
+    def _read(self) -> list[Line]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(complete)
+        now = time.time()
+        lines = []
+        for raw in complete.decode(errors="replace").splitlines():
+            if not raw.strip():
+                continue
+            line = parse(raw, now)
+            if line is None:
+                if not self.warned:
+                    self.warn(f"{self.path}: skipped a line that is not a JSON object with an integer 'step': {raw[:120]!r}")
+                    self.warned = True
+                continue
+            lines.append(line)
+        return lines
+
+    def _write_progress(self) -> None:
+        last = self.lines[-1]
+        total = next((line.total for line in reversed(self.lines) if line.total), None)
+        times = sorted(self.step_times()[-20:])
+        seconds = times[len(times) // 2] if times else None
+        write_json(self.progress_path, {
+            "step": last.step, "total": total, "loss": last.values.get("loss"), "tokens_per_s": last.values.get("tokens_per_s"),
+            "step_time_s": seconds, "eta_s": (total - last.step) * seconds if total and seconds is not None else None,
+            "updated": time.time(), "job_id": self.ids["job_id"], "restart_count": self.ids["restart_count"], "checkpoint_step": None,
+        })
+
+
+def _step_seconds(previous: Line | None, line: Line) -> float | None:
+    if previous is None or line.step <= previous.step:
+        return None
+    return (line.time - previous.time) / (line.step - previous.step)
