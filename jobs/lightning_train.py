@@ -16,7 +16,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--nodes", type=int, default=1)
 parser.add_argument("--devices", type=int, default=2)
-parser.add_argument("--strategy", default="ddp")
+parser.add_argument("--strategy", default="ddp")  # Lightning's fsdp and deepspeed_stage_* need GPUs
 parser.add_argument("--step-delay-s", type=float, default=0.0)  # lets tests signal a short run mid-way
 args = parser.parse_args()
 
@@ -41,7 +41,7 @@ generator = torch.Generator().manual_seed(0)
 x = torch.randn(4096, 32, generator=generator)
 data = TensorDataset(x, x.sum(dim=1, keepdim=True))
 trainer = L.Trainer(
-    accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=args.strategy,
+    accelerator="auto", devices=args.devices, num_nodes=args.nodes, strategy=args.strategy,
     max_steps=args.steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
 )
 trainer.fit(Regression(), DataLoader(data, batch_size=8))

@@ -15,8 +15,9 @@ import pytest
 from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state, wait_for
 from tests.test_cluster_faults import CHECKPOINT, TRAINING  # one uninterrupted run serves both files
+from tests.test_fault_tolerance import checkpoint_after
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -94,25 +95,21 @@ def test_time_limit_requeues_until_done(shared: Path, baseline: Path) -> None:
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
-def test_usr2_requeues_and_completes_bit_identical(shared: Path, baseline: Path) -> None:
-    run_dir, job = submit(shared, "usr2")
+def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(shared: Path, baseline: Path) -> None:
+    """USR2 mid-way (hpcrun saves and requeues), then, mid-way through the resumed attempt, the
+    higher-priority partition takes both nodes (GraceTime 0: USR2 and SIGTERM together; SLURM
+    requeues, hpcrun does not requeue twice). One requeue each; the weights of an uninterrupted run."""
+    # 0.3 s per step: >= 36 s of training, time for both interruptions after their checkpoints
+    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 0.3))
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    final = wait_done(run_dir)
-    assert final["status"] == "completed" and final["restart_count"] == 1
-    assert records(job) == ["REQUEUED", "COMPLETED"]
-    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
-
-
-def test_preemption_requeues_once_and_completes_bit_identical(shared: Path, baseline: Path) -> None:
-    """The higher-priority partition takes both nodes: with GraceTime USR2 and SIGTERM come
-    together; the job is requeued once (by SLURM, not also by hpcrun) and ends bit-identical."""
-    run_dir, job = submit(shared, "preempted")
-    wait_checkpoint(run_dir)
+    wait_for(lambda: (run_dir / "state.json").exists() and state(run_dir)["status"] == "requeued", what="the USR2 stop", timeout=120)
+    stopped = state(run_dir)["step"]
+    wait_for(lambda: checkpoint_after(run_dir, stopped), what="a checkpoint of the resumed attempt", timeout=240)
     urgent = subprocess.run(["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
     final = wait_done(run_dir)
-    assert final["status"] == "completed" and final["restart_count"] == 1, final
-    assert len(records(job)) == 2, records(job)  # requeued once: not by SLURM and hpcrun both
+    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)  # one requeue per interruption
     assert records(urgent.split(";")[0]) == ["COMPLETED"]
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 

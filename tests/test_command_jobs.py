@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from hpcrun.steps import load_steps
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state, wait_for
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, wait_for
 from tests.test_fault_tolerance import ranks
 
 pytestmark = pytest.mark.slow
@@ -60,15 +60,18 @@ def test_stopped_command_resumes_where_it_saved(tmp_path: Path) -> None:
     print(f"duration {time.monotonic() - began:.0f} s")
 
 
-def test_command_ignoring_the_signal_is_killed_and_stopped(tmp_path: Path) -> None:
-    """A script that ignores USR2 is killed after the grace (half the signal lead) and the
-    attempt is stopped, not left running into the time limit."""
+def test_command_ignoring_the_signals_is_killed_with_its_children(tmp_path: Path) -> None:
+    """A script that ignores USR2 and SIGTERM, with a child of its own (as torchrun has its
+    workers), is killed with that child after the grace (half the signal lead), and the attempt
+    is stopped, not left running into the time limit."""
     began = time.monotonic()
     site = site_copy(tmp_path)
-    script = "import signal,time; signal.signal(signal.SIGUSR2, signal.SIG_IGN); open('started','w').close(); time.sleep(120)"
+    script = ("import signal,subprocess,time; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR2, signal.SIGTERM)]; "
+              "child = subprocess.Popen(['sleep', '300']); open('child-' + str(child.pid), 'w').close(); time.sleep(120)")
     rec = recipe(tmp_path, "cmd-deaf", job={"kind": "command", "command": ["python", "-c", script], "workdir": "."}, checkpoint={"signal_lead_s": 10})  # a 5 s grace
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
-    wait_for(lambda: (tmp_path / "started").exists() and len(ranks(run_dir)) == 2, what="the script's start")
+    wait_for(lambda: len(list(tmp_path.glob("child-*"))) == 2 and len(ranks(run_dir)) == 2, what="the script's start")
+    children = [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
     signalled = time.monotonic()
     for pid in ranks(run_dir):
         os.kill(pid, signal.SIGUSR2)
@@ -76,30 +79,71 @@ def test_command_ignoring_the_signal_is_killed_and_stopped(tmp_path: Path) -> No
     assert time.monotonic() - signalled < 30
     final = state(run_dir)
     assert final["status"] == "stopped" and "SIGUSR2" in final["reason"], final
+    assert "killed with its children" in "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), timeout=10, what="the script's children to be gone")
     print(f"duration {time.monotonic() - began:.0f} s")
 
 
-@pytest.mark.cluster
-def test_command_job_usr2_requeues_and_resumes_on_the_cluster(tmp_path: Path) -> None:
-    """`scancel --signal=USR2` to a 2-node command job: the example saves and exits, the run
-    is requeued by hpcrun, resumes from its saved step and completes."""
-    from tests.test_cluster_requeue import records, wait_done
+def test_torchrun_launcher_runs_the_ranks_and_reports_steps(tmp_path: Path) -> None:
+    """jobs/torchrun.yaml on this machine: one task runs torchrun, which starts 2 ranks (the
+    script's all-reduce sees 2); the script's reported steps fill the per-step table and the
+    results row."""
+    site = site_copy(tmp_path)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(ROOT / "jobs" / "torchrun.yaml")))
+    assert state(run_dir)["status"] == "completed", state(run_dir)
+    assert (run_dir / "command-ok").read_text().strip() == "2"
+    assert len(ranks_started(run_dir)) == 1  # one task: torchrun made the ranks
+    row = rows(tmp_path, run_dir).iloc[-1]
+    assert (row["world_size"], row["first_step"], row["last_step"]) == (2, 0, 40) and row["step_time_p50_s"] > 0
+    assert row["final_loss"] == pytest.approx(json.loads((run_dir / "reported" / f"{row['job_id']}-0.jsonl").read_text().splitlines()[-1])["loss"])
+    curve = load_steps(tmp_path / "results", run_id=run_dir.name)
+    assert list(curve["step"]) == list(range(1, 41)) and curve["loss"].notna().all()
 
-    began = time.monotonic()
-    site = site_copy(tmp_path, "testcluster")
-    rec = example(tmp_path, "cmd-usr2", resources={"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}, checkpoint={"max_requeues": 2})
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+
+def ranks_started(run_dir: Path) -> list[Path]:
+    """The task logs of a local run: one per task the controller started."""
+    return sorted((run_dir / "logs").glob("*_log.out"))
+
+
+def lightning_recipe(tmp_path: Path, steps: int, delay: float) -> Path:
+    script = str(ROOT / "jobs" / "lightning_train.py")
+    job = {"kind": "command", "command": ["python", script, "--steps", str(steps), "--devices", "2", "--step-delay-s", str(delay)]}
+    return recipe(tmp_path, "lightning", job=job)
+
+
+def test_lightning_script_runs_unchanged_and_reports_its_steps(tmp_path: Path) -> None:
+    """jobs/lightning.yaml (lightning_train.py: no hpcrun in it) on 2 ranks: completes, and hpcrun's callback,
+    loaded by Lightning's entry point, reported every optimizer step."""
+    site = site_copy(tmp_path)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(ROOT / "jobs" / "lightning.yaml")))
+    assert state(run_dir)["status"] == "completed", state(run_dir)
+    assert "lightning job: 40 steps over 2 ranks done" in "".join(p.read_text() for p in ranks_started(run_dir))
+    row = rows(tmp_path, run_dir).iloc[-1]
+    assert (row["world_size"], row["last_step"]) == (2, 40) and row["final_loss"] > 0
+    assert list(load_steps(tmp_path / "results", run_id=run_dir.name)["step"]) == list(range(1, 41))
+    assert (run_dir / "lightning").is_dir() and not list((run_dir / "lightning").glob("hpc_ckpt_*"))  # its root: no stop, no save
+
+
+def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> None:
+    """USR2 to the ranks (as SLURM signals every task): the script saves Lightning's HPC
+    checkpoint at the step all ranks agree on and leaves fit before its end; the attempt is
+    stopped at that step."""
+    site = site_copy(tmp_path)
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(lightning_recipe(tmp_path, 200, 0.2))))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
-    deadline = time.time() + 120
-    while starts(run_dir) != [0] and time.time() < deadline:
-        time.sleep(0.5)
-    assert starts(run_dir) == [0], "the script did not start"
-    time.sleep(4)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    final = wait_done(run_dir, timeout=300)
-    assert final["status"] == "completed" and final["restart_count"] == 1, final
-    assert records(job) == ["REQUEUED", "COMPLETED"], records(job)
-    first, resumed = starts(run_dir)
-    assert first == 0 and 0 < resumed < STEPS, starts(run_dir)
-    assert (run_dir / "command-ok").read_text().strip() == "4"
-    print(f"duration {time.monotonic() - began:.0f} s")
+    metrics = run_dir / "reported" / f"{job}-0.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, what="three reported steps")
+    for pid in ranks(run_dir):
+        os.kill(pid, signal.SIGUSR2)
+    wait_for(lambda: (run_dir / "state.json").exists(), timeout=60, what="the stop")
+    final = state(run_dir)
+    assert final["status"] == "stopped" and "SIGUSR2" in final["reason"], final
+    saved = list((run_dir / "lightning").glob("hpc_ckpt_*.ckpt"))
+    assert [p.name for p in saved] == ["hpc_ckpt_1.ckpt"] and not list((run_dir / "lightning").glob("hpcrun-stop*"))
+    import torch
+
+    step = torch.load(saved[0], weights_only=False, map_location="cpu")["global_step"]
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert 3 <= step == last < 200, (step, last)  # saved at the last reported step, mid-run
+    logs = "".join(p.read_text() for p in ranks_started(run_dir))
+    assert "steps over" not in logs  # fit was left: the script's code after it did not run

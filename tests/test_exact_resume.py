@@ -56,8 +56,8 @@ def interrupted_twice(tmp_path: Path, name: str, strategy: dict[str, object]) ->
     site = site_copy(tmp_path, partitions={"local": partition})
     kwargs = {"strategy": strategy, "training": TRAINING, "resources": RESOURCES, "checkpoint": {"interval": 2, "export_final": True}}
     whole = recipe(tmp_path, f"{name}-whole", job=entrypoint_job(str(ROOT), 0.0), **kwargs)
-    baseline = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(whole)))
-    trained_and_measured(tmp_path, baseline, strategy)
+    # the uninterrupted run trains while the interrupted one waits out its pauses and signals
+    baseline = run_dir_of(hpcrun("submit", "--site", str(site), str(whole)))
     cut = recipe(tmp_path, f"{name}-cut", job=entrypoint_job(str(ROOT), STEP_DELAY_S), **kwargs)
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(cut)))
     wait_for(lambda: checkpoint_after(run_dir, 0), what="the first checkpoint")
@@ -76,6 +76,8 @@ def interrupted_twice(tmp_path: Path, name: str, strategy: dict[str, object]) ->
     wait_for(lambda: not any(alive(p) for p in pids), what="the kill")
     hpcrun("resume", "--site", str(site), "--wait", run_dir.name)
     assert state(run_dir)["status"] == "completed", state(run_dir)
+    hpcrun("status", "--site", str(site), "--wait", baseline.name)
+    trained_and_measured(tmp_path, baseline, strategy)
     return baseline, run_dir
 
 

@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import ROOT, cli
 
 SITES = ["local", "mycluster", "aws-efa", "slingshot", "testcluster"]
-RECIPES = ["quickstart", "zero-infinity", "staged"]
+RECIPES = ["quickstart", "zero-infinity", "staged", "torchrun"]
 GOLDEN = ROOT / "tests" / "golden"
 RUN_ID = "20260101-000000-0000-golden"
 

@@ -57,6 +57,7 @@ RECIPE_CASES = [
     ("keep", lambda d: d["checkpoint"].update(keep=1), "checkpoint.keep: keep at least 2 checkpoints"),
     ("model size", lambda d: d["job"].update(model="huge"), "job.model: unknown model size 'huge'"),
     ("entrypoint form", lambda d: d.update(job={"kind": "entrypoint", "entrypoint": "no colon"}), "job.entrypoint: string should match pattern"),
+    ("command launcher", lambda d: d.update(job={"kind": "command", "command": ["python", "x.py"], "launcher": "mpirun"}), "job.launcher: input should be 'srun' or 'torchrun' (got 'mpirun')"),
     ("missing name", lambda d: d.pop("name"), "name: required"),
     ("partition missing", lambda d: d["resources"].update(partition="huge"), "resources.partition: site 'mycluster' has no partition 'huge'"),
     ("too many nodes", lambda d: d["resources"].update(nodes=65), "resources.nodes: must be <= 64"),

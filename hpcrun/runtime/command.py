@@ -29,6 +29,7 @@ so that a Lightning run's checkpoints are its own and not its working directory'
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def run_command(ctx: Context) -> None:
         reported = Reported(reported_path, ctx.spec.results_dir, run_dir.progress, attempt_ids(ctx), ctx.info)
     cwd = Path(ctx.spec.recipe_path).resolve().parent / job.workdir if job.workdir else None
     argv = [*IGNORE_USR2, *(torchrun_argv(ctx) if job.launcher == "torchrun" else []), *job.command]
+    ctx.info(f"command ({job.launcher}): {shlex.join(argv[len(IGNORE_USR2):])}")  # the torchrun line included
     ctx.flag.child = child = subprocess.Popen(argv, env=env, cwd=cwd)
     interval = ctx.recipe.metrics.flush_seconds
     code = wait_stoppable(child, ctx, (reported.poll, interval) if reported else None)

@@ -8,7 +8,8 @@ written by one process, usually rank 0):
 
 `step` (completed optimizer steps, counted from the start of the run, not of the attempt) is
 required; `loss`, `lr`, `grad_norm`, `tokens_per_s` fill the per-step table's columns of those
-names; `time` (unix seconds; else when hpcrun read the line) dates the step; `total` (the steps
+names; `time` (unix seconds, when the step ended) dates the step and gives step times (without
+it a step is dated when hpcrun read it, and has no step time); `total` (the steps
 the run will take) gives `hpcrun status` its ETA; any other number goes into `extra`.
 
 While the script runs, rank 0's launcher reads new complete lines every few seconds and writes
@@ -38,7 +39,8 @@ KNOWN = {"step", "time", "total", *COLUMNS}
 @dataclasses.dataclass
 class Line:
     step: int
-    time: float
+    time: float | None  # the script's own; None when it gave none
+    read_at: float
     total: int | None
     values: dict[str, float]  # COLUMNS present in the line
     extra: dict[str, float]
@@ -55,7 +57,7 @@ def parse(text: str, read_at: float) -> Line | None:
     numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     total = data.get("total")
     return Line(
-        step=data["step"], time=numbers.get("time", read_at),
+        step=data["step"], time=numbers.get("time"), read_at=read_at,
         total=total if isinstance(total, int) and not isinstance(total, bool) else None,
         values={k: numbers[k] for k in COLUMNS if k in numbers},
         extra={k: v for k, v in numbers.items() if k not in KNOWN},
@@ -75,7 +77,14 @@ class Reported:
 
     def poll(self) -> None:
         """Read the complete lines appended since the last poll; write them as one batch of
-        step rows and refresh progress.json."""
+        step rows and refresh progress.json. A failed write is a warning: the tables are the
+        run's record, not a reason to stop its training (the lines stay for the results row)."""
+        try:
+            self._poll()
+        except OSError as exc:
+            self.warn(f"could not record the reported steps: {exc}")
+
+    def _poll(self) -> None:
         new = self._read()
         if not new:
             return
@@ -85,7 +94,7 @@ class Reported:
         for line in new:
             seconds = _step_seconds(previous, line)
             rows.append({
-                **self.ids, "step": line.step, "time": dt.datetime.fromtimestamp(line.time, dt.timezone.utc),
+                **self.ids, "step": line.step, "time": dt.datetime.fromtimestamp(line.time or line.read_at, dt.timezone.utc),
                 **{k: line.values.get(k) for k in COLUMNS},
                 "step_time_s": seconds, "step_time_min_s": None, "step_time_median_s": None, "step_time_max_s": None,
                 "slowest_rank": None, "memory_bytes": None, "extra": line.extra,
@@ -136,6 +145,6 @@ class Reported:
 
 
 def _step_seconds(previous: Line | None, line: Line) -> float | None:
-    if previous is None or line.step <= previous.step:
+    if previous is None or previous.time is None or line.time is None or line.step <= previous.step:
         return None
     return (line.time - previous.time) / (line.step - previous.step)

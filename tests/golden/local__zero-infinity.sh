@@ -1,6 +1,6 @@
 #!/bin/bash
 # Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden, recipe zero-infinity, site local.
-# hpcrun's local controller runs this file once per rank (2 ranks on this machine), with
+# hpcrun's local controller runs this file once per task (2 on this machine: one per rank, or one torchrun), with
 # RANK, LOCAL_RANK, WORLD_SIZE and HPCRUN_LOCAL_JOB_ID set.
 set -eo pipefail
 

@@ -1,0 +1,50 @@
+"""Metrics a command job's script reports (HPCRUN_METRICS): parsed line by line, a line still
+being written left for the next read, a bad line skipped with one warning, written as per-step
+batches and progress.json like a built-in job's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpcrun import steps as dataset
+from hpcrun.runtime.reported import Reported, parse
+
+IDS = {"run_id": "r1", "sweep_id": None, "point_id": None, "stage": None, "strategy": "ddp", "job_id": "7", "restart_count": 1}
+
+
+def test_parse_known_columns_extra_and_time() -> None:
+    line = parse('{"step": 12, "loss": 2.5, "lr": 0.1, "time": 100.0, "total": 50, "accuracy": 0.75, "note": "x", "bad": NaN}', read_at=5.0)
+    assert line is not None
+    assert (line.step, line.time, line.total) == (12, 100.0, 50)
+    assert line.values == {"loss": 2.5, "lr": 0.1}
+    assert line.extra == {"accuracy": 0.75}  # numbers only; NaN and strings dropped
+    assert parse('{"step": 3}', read_at=5.0).time is None  # type: ignore[union-attr]
+
+
+def test_parse_refuses_what_is_not_a_step() -> None:
+    for text in ("not json", "[1, 2]", '{"loss": 1.0}', '{"step": "3"}', '{"step": 2.5}', '{"step": true}'):
+        assert parse(text, read_at=0.0) is None, text
+
+
+def test_poll_writes_batches_and_progress_and_waits_for_whole_lines(tmp_path: Path) -> None:
+    metrics, progress = tmp_path / "m.jsonl", tmp_path / "progress.json"
+    warnings: list[str] = []
+    reader = Reported(metrics, str(tmp_path / "results"), progress, IDS, warnings.append)
+    reader.poll()  # no file yet: nothing, no error
+    assert not dataset.files(tmp_path / "results")
+    with open(metrics, "w") as f:
+        f.write('{"step": 11, "loss": 3.0, "time": 100.0, "total": 20}\n{"step": 12, "loss": 2.0, "time": 102.0}\nnonsense\n{"step": 13, "lo')
+    reader.poll()
+    assert [line.step for line in reader.lines] == [11, 12]
+    assert len(warnings) == 1 and "nonsense" in warnings[0]
+    written = dataset.read(dataset.files(tmp_path / "results")).to_pylist()
+    assert [(r["step"], r["loss"], r["step_time_s"], r["job_id"]) for r in written] == [(11, 3.0, None, "7"), (12, 2.0, 2.0, "7")]
+    shown = json.loads(progress.read_text())
+    assert (shown["step"], shown["total"], shown["loss"], shown["step_time_s"], shown["eta_s"]) == (12, 20, 2.0, 2.0, 16.0)
+    with open(metrics, "a") as f:
+        f.write('ss": 1.5, "time": 106.0}\nalso bad\n')  # the half line completed
+    reader.poll()
+    assert [line.step for line in reader.lines] == [11, 12, 13] and len(warnings) == 1  # one warning per attempt
+    assert reader.step_times() == [2.0, 4.0]
+    assert len(dataset.files(tmp_path / "results")) == 2
