@@ -1,5 +1,5 @@
 """Real failures on the SLURM test cluster: a SIGKILLed rank, a SIGSTOPped (hung) rank, a job
-that crashes at the same step every time, a lost node. Each job lasts a bounded time (a pause per
+that crashes at the same step every time (a lost node: tests/test_cluster_lost_node.py). Each job lasts a bounded time (a pause per
 step), each test says what one record of the failed attempt must hold, and each run that
 completes ends with the weights (sha256) of the same training never interrupted."""
 
@@ -14,13 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hpcrun.rundir import RunDir
-from hpcrun.runtime.failure import newest_checkpoint
 from tests import faults
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state, wait_for
-from tests.test_fault_tolerance import checkpoint_after
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
@@ -138,46 +135,3 @@ def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
     assert sorted(table.restart_count) == [0, 1] and set(table.status) == {"failed"}, table[["restart_count", "status", "reason"]]
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     assert "same failure" in shown, shown
-
-
-def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baselines: dict[int, Path]) -> None:
-    """Every process of the node under a 1-node job, slurmd included, is SIGKILLed: SLURM
-    requeues (NODE_FAIL), the job finishes on the other node, state.json and the results name
-    the lost node, and after a later requeue (USR2) the job excludes it though it is back."""
-    # 0.4 s per step: >= 48 s per attempt, for the node's loss to be noticed (SlurmdTimeout) and
-    # the resumed attempt to be cut once more
-    run_dir, job = submit(tmp_path, "lost-node", job=entrypoint_job(str(ROOT), 0.4))
-    wait_checkpoint(run_dir)
-    _, node = faults.rank_pid(job, 0)
-    other = next(n for n in faults.NODES if n != node)
-    try:
-        faults.power_off(node)
-        faults.wait_node(node, ("down*", "down"), timeout=90)
-        # the resumed attempt runs on the other node; cut it once more (USR2) to see the exclusion
-        _, resumed_on = faults.rank_pid(job, 0, timeout=180)
-        assert resumed_on == other
-        # the resumed attempt's rank 0 records the lost one as it starts
-        wait_for(lambda: node in (state(run_dir).get("failed_nodes") or []) if (run_dir / "state.json").exists() else False, what="the lost node's record")
-        faults.power_on(node)
-        newest = newest_checkpoint(RunDir(run_dir)) or 0
-        wait_for(lambda: checkpoint_after(run_dir, newest), what="a checkpoint of the resumed attempt")
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        deadline = time.time() + 60
-        while "ExcNodeList=" + node not in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout:
-            assert time.time() < deadline, "the requeued job does not exclude the lost node"
-            time.sleep(0.5)
-        final = wait_done(run_dir, timeout=240)
-    finally:
-        faults.power_on(node)
-    assert final["status"] == "completed" and final["restart_count"] == 2, final
-    assert final["failed_nodes"] == [node] and final["excluded_nodes"] == [node], final
-    assert records(job)[:2] == ["NODE_FAIL", "REQUEUED"], records(job)
-    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "NodeList"], capture_output=True, text=True).stdout.split()
-    assert out[-1] == other, out  # the last attempt, with the node back, still not on it
-    table = rows(tmp_path, run_dir)
-    lost = table[table.restart_count == 0]
-    assert len(lost) == 1 and f"node lost (NODE_FAIL): {node}" in lost.iloc[0]["reason"], lost[["status", "reason"]]
-    shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
-    assert f"excluding {node}" in shown, shown
-    assert (run_dir / "weights.sha256").read_text() == weights_of(baselines, 2)
-
