@@ -111,19 +111,6 @@ def lightning_recipe(tmp_path: Path, steps: int, delay: float) -> Path:
     return recipe(tmp_path, "lightning", job=job)
 
 
-def test_lightning_script_runs_unchanged_and_reports_its_steps(tmp_path: Path) -> None:
-    """jobs/lightning.yaml (lightning_train.py: no hpcrun in it) on 2 ranks: completes, and hpcrun's callback,
-    loaded by Lightning's entry point, reported every optimizer step."""
-    site = site_copy(tmp_path)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(ROOT / "jobs" / "lightning.yaml")))
-    assert state(run_dir)["status"] == "completed", state(run_dir)
-    assert "lightning job: 40 steps over 2 ranks done" in "".join(p.read_text() for p in ranks_started(run_dir))
-    row = rows(tmp_path, run_dir).iloc[-1]
-    assert (row["world_size"], row["last_step"]) == (2, 40) and row["final_loss"] > 0
-    assert list(load_steps(tmp_path / "results", run_id=run_dir.name)["step"]) == list(range(1, 41))
-    assert (run_dir / "lightning").is_dir() and not list((run_dir / "lightning").glob("hpc_ckpt_*"))  # its root: no stop, no save
-
-
 def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> None:
     """USR2 to the ranks (as SLURM signals every task): the script saves Lightning's HPC
     checkpoint at the step all ranks agree on and leaves fit before its end; the attempt is

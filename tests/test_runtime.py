@@ -77,13 +77,6 @@ def test_entrypoint_example(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "step-00000030" / "manifest.json").exists()
 
 
-def test_command_example(tmp_path: Path) -> None:
-    site = site_copy(tmp_path)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", "jobs/command.yaml"))
-    assert (run_dir / "command-ok").read_text().strip() == "2"
-    assert state(run_dir)["status"] == "completed"
-
-
 def test_failing_rank_fails_the_job(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     rec = recipe(tmp_path, "broken", job={"kind": "command", "command": ["python", "-c", "import os,sys,time; r=os.environ['RANK']; time.sleep(2 if r=='0' else 0); sys.exit(3 if r=='1' else 0)"]})  # rank 0 ends well, after rank 1 failed

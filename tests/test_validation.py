@@ -142,3 +142,9 @@ def test_time_formats() -> None:
     assert [parse_minutes(v) for v in ("30", "30:00", "01:30:00", "1-00", "1-02:03", "1-02:03:04", 90)] == [30, 30, 90, 1440, 1563, 1564, 90]
     assert format_minutes(1564) == "1-02:04:00"
     assert format_minutes(90) == "01:30:00"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "jobs").glob("*.yaml")))
+def test_shipped_recipes_are_valid(name: str) -> None:
+    result = cli("validate", str(ROOT / "jobs" / name))
+    assert result.exit_code == 0, result.output
