@@ -13,7 +13,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun.rundir import CorruptStateError, RunDir, read_json
+from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
 
 if tp.TYPE_CHECKING:
     from hpcrun.status import RunStatus
@@ -75,6 +75,17 @@ def parse(path: Path, value: tp.Any) -> Progress:
     if value.get("job_id") is not None:
         fields["job_id"] = str(value["job_id"])
     return Progress(**fields)
+
+
+def write(path: Path, step: int, total: int | None, loss: float | None, tokens_per_s: float | None, step_time_s: float | None,
+          job_id: str, restart_count: int, checkpoint_step: int | None) -> None:
+    """progress.json as the job writes it (the built-in loop and a command's reported steps):
+    the newest step, its rate and the time left at that rate."""
+    write_json(path, {
+        "step": step, "total": total, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
+        "eta_s": (total - step) * step_time_s if total and step_time_s is not None else None, "updated": time.time(),
+        "job_id": job_id, "restart_count": restart_count, "checkpoint_step": checkpoint_step,
+    })
 
 
 def read(run_dir: Path) -> Progress | None:

@@ -29,8 +29,8 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpcrun import progress
 from hpcrun import steps as dataset
-from hpcrun.rundir import write_json
 
 COLUMNS = ("loss", "lr", "grad_norm", "tokens_per_s")
 KNOWN = {"step", "time", "total", *COLUMNS}
@@ -137,11 +137,8 @@ class Reported:
         total = next((line.total for line in reversed(self.lines) if line.total), None)
         times = sorted(self.step_times()[-20:])
         seconds = times[len(times) // 2] if times else None
-        write_json(self.progress_path, {
-            "step": last.step, "total": total, "loss": last.values.get("loss"), "tokens_per_s": last.values.get("tokens_per_s"),
-            "step_time_s": seconds, "eta_s": (total - last.step) * seconds if total and seconds is not None else None,
-            "updated": time.time(), "job_id": self.ids["job_id"], "restart_count": self.ids["restart_count"], "checkpoint_step": None,
-        })
+        progress.write(self.progress_path, last.step, total, last.values.get("loss"), last.values.get("tokens_per_s"), seconds,
+                       self.ids["job_id"], self.ids["restart_count"], None)
 
 
 def _step_seconds(previous: Line | None, line: Line) -> float | None:

@@ -22,8 +22,9 @@ import typing as tp
 import torch
 import torch.distributed as dist
 
+from hpcrun import progress
 from hpcrun import steps as dataset
-from hpcrun.rundir import RunDir, read_json, write_json
+from hpcrun.rundir import RunDir, read_json
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
 from hpcrun.runtime.metrics import peak_memory_bytes
@@ -243,9 +244,4 @@ class StepRecorder:
             seconds = times[len(times) // 2] if times else None
             rate = self.tokens_per_step / seconds if self.tokens_per_step and seconds else None
         found = ckpt.latest(self.ctx.checkpoints.root)
-        write_json(path, {
-            "step": step, "total": self.total, "loss": loss, "tokens_per_s": rate, "step_time_s": seconds,
-            "eta_s": (self.total - step) * seconds if seconds is not None else None, "updated": time.time(),
-            "job_id": self.ids["job_id"], "restart_count": self.ids["restart_count"],
-            "checkpoint_step": found[0] if found else None,
-        })
+        progress.write(path, step, self.total, loss, rate, seconds, self.ids["job_id"], self.ids["restart_count"], found[0] if found else None)
