@@ -130,6 +130,7 @@ def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp
     killed with its children (its exit is then a stop like any other). `every` is a function
     to call, and its interval, while waiting."""
     deadline: float | None = None
+    killed = False
     last = time.monotonic()
     while True:
         try:
@@ -143,7 +144,8 @@ def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp
         if ctx.flag.signum is not None and deadline is None:
             ctx.flag.forward()  # a signal that came before the child existed
             deadline = now + stop_grace_s(ctx)
-        if deadline is not None and now > deadline:
+        if deadline is not None and now > deadline and not killed:  # once: SIGKILL needs no repeating
+            killed = True
             ctx.info(f"command still running {stop_grace_s(ctx):.0f} s after the stop signal: killed with its children")
             kill_tree(child.pid)
 
