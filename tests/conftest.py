@@ -35,7 +35,24 @@ def cluster_up() -> str | None:
     return None
 
 
+# The longest files first (CI durations, 2 cores): pytest-xdist hands tests (or, with
+# --dist loadfile, files) out in collection order, and CI's wall time is its slowest worker's, so
+# a long test handed out last to a worker that is otherwise done would add its whole length.
+LONGEST_FIRST = (
+    "test_cluster_launchers.py", "test_cluster_requeue.py", "test_cluster_faults.py", "test_cluster.py",
+    "test_cluster_lost_node.py", "test_cluster_lightning_array.py", "test_cluster_slow.py",
+    "test_exact_resume.py", "test_command_jobs.py", "test_report.py", "test_fault_tolerance.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+
+    def longest_first(item: pytest.Item) -> int:  # by file: a module's fixtures are set up once
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST) + (item.path not in slow_files)
+
+    items.sort(key=longest_first)  # stable: a file's tests keep their order
     reason = cluster_up()
     if reason is None:
         return

@@ -48,3 +48,36 @@ def test_poll_writes_batches_and_progress_and_waits_for_whole_lines(tmp_path: Pa
     assert [line.step for line in reader.lines] == [11, 12, 13] and len(warnings) == 1  # one warning per attempt
     assert reader.step_times() == [2.0, 4.0]
     assert len(dataset.files(tmp_path / "results")) == 2
+
+
+def test_odd_numbers_neither_stop_the_reader_nor_reach_the_tables(tmp_path: Path) -> None:
+    """A clock in milliseconds, numbers too large for a float or an int64, a step past int64:
+    each once raised in the launcher (fromtimestamp's ValueError, float's OverflowError) and ended
+    the attempt with the script still running. Now the time is dropped (the line is timed when
+    read), the number skipped, the line without a usable step refused, and what is left written."""
+    huge = "1" + "0" * 400
+    assert parse('{"step": 3, "time": 1763800000000}', read_at=5.0).time is None  # type: ignore[union-attr]
+    line = parse(f'{{"step": 3, "loss": {huge}, "seen": {huge}, "total": {huge}}}', read_at=5.0)
+    assert line is not None and (line.values, line.extra, line.total) == ({}, {}, None)
+    assert parse(f'{{"step": {2**63}}}', read_at=0.0) is None and parse('{"step": -1}', read_at=0.0) is None
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(f'{{"step": 1, "loss": 2.0, "time": 1763800000000}}\n{{"step": 2, "loss": {huge}, "time": 1e400}}\n')
+    warnings: list[str] = []
+    reader = Reported(metrics, str(tmp_path / "results"), tmp_path / "progress.json", IDS, warnings.append)
+    reader.poll()
+    assert not warnings, warnings
+    written = dataset.read(dataset.files(tmp_path / "results")).to_pylist()
+    assert [(r["step"], r["loss"]) for r in written] == [(1, 2.0), (2, None)]
+
+
+def test_a_failed_write_is_a_warning(tmp_path: Path) -> None:
+    """The tables are the run's record, not a reason to end its training: a results directory
+    that cannot be written (here a file stands where it should be) warns, and reading goes on."""
+    (tmp_path / "results").write_text("not a directory")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n')
+    warnings: list[str] = []
+    reader = Reported(metrics, str(tmp_path / "results"), tmp_path / "progress.json", IDS, warnings.append)
+    reader.poll()
+    assert len(warnings) == 1 and "could not record" in warnings[0], warnings
+    assert [line.step for line in reader.lines] == [1]

@@ -46,10 +46,15 @@ from hpcrun.runtime.steps import attempt_ids
 # survives exec; a Python handler would not): thread-safe, unlike a preexec_fn.
 IGNORE_USR2 = ("/bin/sh", "-c", 'trap "" USR2; exec "$@"', "hpcrun-command")
 
-# The most a user script gets to exit after a stop signal: well below the shortest KillWait hpcrun
-# runs under (20 s: the test cluster's and the local controller's; SLURM's default is 30 s), so
-# that after a kill the rank still has time to write its row and requeue before SIGKILL.
+# The most a user script gets to exit after SIGTERM (preemption, the time limit itself): well
+# below the shortest KillWait hpcrun runs under (20 s: the test cluster's and the local
+# controller's; SLURM's default is 30 s), so that after a kill the rank still has time to write
+# its row and requeue before SIGKILL.
 STOP_GRACE_MAX_S = 12.0
+# After USR2 (signal_lead_s before the time limit) a script may use the whole lead for its save
+# (a sharded FSDP or DeepSpeed checkpoint of a real model takes minutes), less this margin for
+# hpcrun's own record and requeue.
+USR2_MARGIN_S = 30.0
 
 POLL_S = 0.2
 
@@ -73,7 +78,11 @@ def run_command(ctx: Context) -> None:
     ctx.info(f"command ({job.launcher}): {shlex.join(argv[len(IGNORE_USR2):])}")  # the torchrun line included
     ctx.flag.child = child = subprocess.Popen(argv, env=env, cwd=cwd)
     interval = ctx.recipe.metrics.flush_seconds
-    code = wait_stoppable(child, ctx, (reported.poll, interval) if reported else None)
+    try:
+        code = wait_stoppable(child, ctx, (reported.poll, interval) if reported else None)
+    finally:
+        if child.poll() is None:  # this rank failed while waiting: the command must not outlive it
+            kill_tree(child.pid)
     if ctx.flag.signum is not None:
         ctx.stopped = signal.Signals(ctx.flag.signum).name
     if reported is not None:
@@ -119,10 +128,14 @@ def fold(ctx: Context, reported: Reported) -> None:
 
 
 def stop_grace_s(ctx: Context) -> float:
-    """How long a script may take to save and exit after a stop signal: half the lead SLURM
-    gives before the time limit, and at most STOP_GRACE_MAX_S, since on preemption only
-    KillWait separates SIGTERM from SIGKILL."""
-    return max(1.0, min(STOP_GRACE_MAX_S, ctx.spec.signal_lead_s / 2))
+    """How long a script may take to save and exit after the stop signal it got: after USR2,
+    the lead SLURM gives before the time limit less USR2_MARGIN_S (at least half of it); after
+    SIGTERM, half the lead and at most STOP_GRACE_MAX_S, since on preemption only KillWait
+    separates SIGTERM from SIGKILL."""
+    lead = ctx.spec.signal_lead_s
+    if ctx.flag.signum == signal.SIGUSR2:
+        return max(1.0, lead / 2, lead - USR2_MARGIN_S)
+    return max(1.0, min(STOP_GRACE_MAX_S, lead / 2))
 
 
 def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp.Callable[[], None], float] | None = None) -> int:
@@ -130,6 +143,7 @@ def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp
     killed with its children (its exit is then a stop like any other). `every` is a function
     to call, and its interval, while waiting."""
     deadline: float | None = None
+    grace = 0.0
     killed = False
     last = time.monotonic()
     while True:
@@ -143,10 +157,11 @@ def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp
             last = now
         if ctx.flag.signum is not None and deadline is None:
             ctx.flag.forward()  # a signal that came before the child existed
-            deadline = now + stop_grace_s(ctx)
+            grace = stop_grace_s(ctx)
+            deadline = now + grace
         if deadline is not None and now > deadline and not killed:  # once: SIGKILL needs no repeating
             killed = True
-            ctx.info(f"command still running {stop_grace_s(ctx):.0f} s after the stop signal: killed with its children")
+            ctx.info(f"command still running {grace:.0f} s after the stop signal: killed with its children")
             kill_tree(child.pid)
 
 

@@ -34,6 +34,7 @@ from hpcrun import steps as dataset
 
 COLUMNS = ("loss", "lr", "grad_norm", "tokens_per_s")
 KNOWN = {"step", "time", "total", *COLUMNS}
+MAX_UNIX_TIME = 1e11  # seconds (the year 5138): a millisecond clock (1.7e12 today) is above it
 
 
 @dataclasses.dataclass
@@ -46,19 +47,36 @@ class Line:
     extra: dict[str, float]
 
 
+def _number(value: object) -> float | None:
+    """A finite float, or None (booleans, strings, inf/nan, integers too large for a float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _count(value: object) -> int | None:
+    """A step or a total: an integer that fits the tables' int64 columns, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else None
+
+
 def parse(text: str, read_at: float) -> Line | None:
-    """One reported line, or None when it is not a JSON object with an integer `step`."""
+    """One reported line, or None when it is not a JSON object with an integer `step`. A `time`
+    that is not Unix seconds (milliseconds, a step counter) is dropped: the line is timed when read."""
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("step"), int) or isinstance(data["step"], bool):
+    if not isinstance(data, dict) or (step := _count(data.get("step"))) is None:
         return None
-    numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    total = data.get("total")
+    numbers = {k: n for k, v in data.items() if (n := _number(v)) is not None}
+    when = numbers.get("time")
     return Line(
-        step=data["step"], time=numbers.get("time"), read_at=read_at,
-        total=total if isinstance(total, int) and not isinstance(total, bool) else None,
+        step=step, time=when if when is not None and 0 < when < MAX_UNIX_TIME else None, read_at=read_at,
+        total=_count(data.get("total")),
         values={k: numbers[k] for k in COLUMNS if k in numbers},
         extra={k: v for k, v in numbers.items() if k not in KNOWN},
     )
@@ -81,8 +99,8 @@ class Reported:
         run's record, not a reason to stop its training (the lines stay for the results row)."""
         try:
             self._poll()
-        except OSError as exc:
-            self.warn(f"could not record the reported steps: {exc}")
+        except Exception as exc:  # noqa: BLE001 (a full disk, an odd line pyarrow refuses: training goes on)
+            self.warn(f"could not record the reported steps: {exc!r}")
 
     def _poll(self) -> None:
         new = self._read()
