@@ -78,6 +78,12 @@ def state(run_dir: Path) -> dict[str, tp.Any]:
     return dict(json.loads((run_dir / "state.json").read_text()))
 
 
+def status(run_dir: Path) -> str | None:
+    """The attempt's recorded end (stopped, requeued, completed, failed), or None while it runs:
+    state.json can exist before that, holding a running attempt's slow ranks or lost nodes."""
+    return state(run_dir).get("status") if (run_dir / "state.json").exists() else None
+
+
 def rows(tmp: Path, run_dir: Path) -> tp.Any:
     return load(tmp / "results", run_id=run_dir.name)
 
@@ -119,6 +125,6 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
 
 
 def baseline_weights(run_dir: Path) -> str:
-    wait_for(lambda: (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed"), what=f"the baseline {run_dir.name}", timeout=600)
+    wait_for(lambda: status(run_dir) in ("completed", "failed"), what=f"the baseline {run_dir.name}", timeout=600)
     assert state(run_dir)["status"] == "completed", state(run_dir)
     return (run_dir / "weights.sha256").read_text()

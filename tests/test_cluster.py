@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import pool
-from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, status
 
 pytestmark = pytest.mark.cluster
 RECIPES = ["quickstart", "zero-infinity", "staged", "gpt-strategies", "entrypoint", "command"]
@@ -134,7 +134,7 @@ def test_zero_infinity_across_two_nodes(shared: Path) -> None:
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     swapping: set[str] = set()  # rank folders seen under the job's NVMe directory while it ran
     deadline = time.time() + 600
-    while time.time() < deadline and not (run_dir / "state.json").exists():
+    while time.time() < deadline and status(run_dir) is None:
         swapping |= {p.name for p in nvme.glob("hpcrun-*/**/rank*")}
         time.sleep(0.2)
     assert wait_state(site, run_dir, {"COMPLETED", "FAILED"}) == "COMPLETED", state(run_dir)

@@ -15,7 +15,7 @@ import pytest
 from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state, wait_for
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state, status, wait_for
 from tests.test_cluster_faults import CHECKPOINT, TRAINING  # one uninterrupted run serves both files
 from tests.test_fault_tolerance import checkpoint_after
 
@@ -52,7 +52,7 @@ def records(job: str) -> list[str]:
 def wait_done(run_dir: Path, timeout: float = 420) -> dict[str, tp.Any]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (run_dir / "state.json").exists() and state(run_dir)["status"] in ("completed", "failed"):
+        if status(run_dir) in ("completed", "failed"):
             job = state(run_dir)["job_id"]
             if records(job) and records(job)[-1] in ("COMPLETED", "FAILED"):
                 return state(run_dir)
@@ -103,7 +103,7 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 0.3))
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    wait_for(lambda: (run_dir / "state.json").exists() and state(run_dir)["status"] == "requeued", what="the USR2 stop", timeout=120)
+    wait_for(lambda: status(run_dir) == "requeued", what="the USR2 stop", timeout=120)
     stopped = state(run_dir)["step"]
     wait_for(lambda: checkpoint_after(run_dir, stopped), what="a checkpoint of the resumed attempt", timeout=240)
     urgent = subprocess.run(["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.runs import hpcrun, losses, site_copy, state
+from tests.runs import hpcrun, losses, site_copy, state, status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 def wait_all(run_dirs: list[Path], timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if all((d / "state.json").exists() and state(d)["status"] in ("completed", "failed") for d in run_dirs):
+        if all(status(d) in ("completed", "failed") for d in run_dirs):
             return
         time.sleep(2)
     raise AssertionError("sweep did not finish: " + ", ".join(f"{d.name}={(d / 'state.json').exists()}" for d in run_dirs))

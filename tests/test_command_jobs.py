@@ -15,7 +15,7 @@ import pytest
 
 from hpcrun.steps import load_steps
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, status, wait_for
 from tests.test_fault_tolerance import ranks
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def test_stopped_command_resumes_where_it_saved(tmp_path: Path) -> None:
     time.sleep(3)
     for pid in ranks(run_dir):
         os.kill(pid, signal.SIGUSR2)
-    wait_for(lambda: (run_dir / "state.json").exists(), what="the stop")
+    wait_for(lambda: status(run_dir) is not None, what="the stop")
     stopped = state(run_dir)
     assert stopped["status"] == "stopped", stopped
     assert "SIGUSR2" in stopped["reason"]
@@ -75,7 +75,7 @@ def test_command_ignoring_the_signals_is_killed_with_its_children(tmp_path: Path
     signalled = time.monotonic()
     for pid in ranks(run_dir):
         os.kill(pid, signal.SIGUSR2)
-    wait_for(lambda: (run_dir / "state.json").exists(), timeout=60, what="the stop")
+    wait_for(lambda: status(run_dir) is not None, timeout=60, what="the stop")
     assert time.monotonic() - signalled < 30
     final = state(run_dir)
     assert final["status"] == "stopped" and "SIGUSR2" in final["reason"], final
@@ -122,7 +122,7 @@ def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> No
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, what="three reported steps")
     for pid in ranks(run_dir):
         os.kill(pid, signal.SIGUSR2)
-    wait_for(lambda: (run_dir / "state.json").exists(), timeout=60, what="the stop")
+    wait_for(lambda: status(run_dir) is not None, timeout=60, what="the stop")
     final = state(run_dir)
     assert final["status"] == "stopped" and "SIGUSR2" in final["reason"], final
     saved = list((run_dir / "lightning").glob("hpc_ckpt_*.ckpt"))

@@ -22,7 +22,7 @@ import pytest
 
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, status, wait_for
 from tests.test_fault_tolerance import alive, checkpoint_after, controller, ranks, weights
 from tests.test_runtime import MEASURED
 
@@ -68,7 +68,7 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], kill: bo
     wait_for(lambda: len(ranks(run_dir)) == 4, what="the 4 ranks")
     time.sleep(rng.uniform(0, 0.2))
     os.kill(rng.choice(ranks(run_dir)), signal.SIGUSR2)
-    wait_for(lambda: (run_dir / "state.json").exists(), what="the stop")
+    wait_for(lambda: status(run_dir) is not None, what="the stop")
     stopped = state(run_dir)
     assert stopped["status"] == "stopped" and 0 < stopped["step"] < TRAINING["steps"], stopped
     if kill:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, status
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +116,7 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
     assert "left the job running; reattach with: hpcrun status" in err
     (run_dir,) = list(runs.iterdir())
     deadline = time.time() + 180
-    while time.time() < deadline and not (run_dir / "state.json").exists():
+    while time.time() < deadline and status(run_dir) is None:
         time.sleep(0.5)
     assert state(run_dir)["status"] == "completed" and len(losses(run_dir)) == 40
 

@@ -20,7 +20,7 @@ from hpcrun import steps
 from hpcrun.results import load
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT, cli, write_yaml
-from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state, wait_for
+from tests.runs import hpcrun, losses, recipe, run_dir_of, site_copy, state, status, wait_for
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -194,7 +194,7 @@ def test_requeued_run_has_every_step_once(tmp_path: Path) -> None:
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     wait_for(lambda: newest_checkpoint(run_dir) >= 5, "the first checkpoint")
     os.kill(controller(run_dir), signal.SIGTERM)  # forwarded to every rank, as SLURM's preemption
-    wait_for(lambda: (run_dir / "state.json").exists(), "the stop")
+    wait_for(lambda: status(run_dir) is not None, "the stop")
     stopped = state(run_dir)
     assert stopped["status"] == "stopped" and 0 < stopped["step"] < total, stopped
 
