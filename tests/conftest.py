@@ -35,23 +35,7 @@ def cluster_up() -> str | None:
     return None
 
 
-# The longest cluster files first (CI durations): with --dist loadfile pytest-xdist hands files
-# out in collection order, and the cluster side's wall time is its slowest worker's, so a long
-# file handed out last would add its whole length. The tests off the cluster keep their order:
-# with the four 4-rank exact-resume tests first as well, CI took longer (1651 s against 1484 s;
-# every test shares the two cores, and time-bounded ones cost more when they start all at once).
-LONGEST_FIRST = (
-    "test_cluster_launchers.py", "test_cluster_requeue.py", "test_cluster_faults.py", "test_cluster_lost_node.py",
-    "test_cluster.py", "test_cluster_lightning_array.py", "test_cluster_slow.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def longest_first(item: pytest.Item) -> int:  # by file: a module's fixtures are set up once
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=longest_first)  # stable: a file's tests keep their order
     reason = cluster_up()
     if reason is None:
         return

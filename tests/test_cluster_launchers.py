@@ -2,8 +2,8 @@
 (jobs/lightning_train.py, launcher srun) and a torchrun-style script (jobs/command_train.py,
 launcher torchrun), each on 2 nodes x 2 ranks. Each is sent USR2, then preempted by the
 higher-priority partition: one requeue each (sacct -D), each attempt resuming from the script's
-own checkpoint (its steps continue), and the job completes. (A Lightning job array:
-tests/test_cluster_lightning_array.py.)"""
+own checkpoint (its steps continue), and the job completes. And a Lightning job array whose
+signalled task alone is requeued."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from tests import pool
 from tests.helpers import ROOT
-from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, wait_for
+from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state, wait_for
 from tests.test_cluster_requeue import records, wait_done
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -107,3 +107,32 @@ def test_torchrun_script_on_two_nodes_requeued_by_usr2_and_preemption(tmp_path: 
     script = (run_dir / "script.sh").read_text()
     assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --cpus-per-task=2" in script  # one torchrun per node
     print(f"attempts {[(a[0], a[-1]) for a in attempts]}, duration {time.monotonic() - began:.0f} s")
+
+
+def test_lightning_array_requeues_only_the_signalled_task(tmp_path: Path) -> None:
+    """Two sweep points as one job array (1 node x 2 ranks each): USR2 to task 0 requeues task 0
+    alone (Lightning's own requeue once requeued whole arrays); both complete."""
+    began = time.monotonic()
+    site = site_copy(tmp_path, "testcluster")
+    rec = tmp_path / "points.yaml"
+    rec.write_text(json.dumps({
+        "name": "points", "job": lightning_job(nodes=1, steps=40), "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"},
+        "sweep": {"axes": {"training.seed": [1, 2]}},
+    }))
+    out = hpcrun("sweep", "--site", str(site), str(rec)).stdout
+    assert "submitted 2 point(s)" in out, out
+    sweep_dir = next((tmp_path / "runs" / "sweeps").iterdir())
+    ledger = json.loads((sweep_dir / "ledger.json").read_text())["points"]
+    by_task = {e["job_id"]: tmp_path / "runs" / e["run_id"] for e in ledger.values()}
+    assert len(by_task) == 2 and len({j.split("_")[0] for j in by_task}) == 1, by_task  # one array
+    first, second = sorted(by_task)
+    wait_reported(by_task[first], first, 0, 5)
+    subprocess.run(["scancel", "--signal=USR2", first], check=True)
+    for task, run_dir in by_task.items():
+        assert wait_done(run_dir, timeout=600)["status"] == "completed", task
+    assert records(first) == ["REQUEUED", "COMPLETED"], records(first)
+    assert records(second) == ["COMPLETED"], records(second)
+    first_attempts = reported(by_task[first], first)
+    assert len(first_attempts) == 2 and first_attempts[1][0] == first_attempts[0][-1] + 1, first_attempts
+    assert state(by_task[second])["restart_count"] == 0
+    print(f"duration {time.monotonic() - began:.0f} s")
