@@ -144,7 +144,7 @@ def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp
     killed with its children (its exit is then a stop like any other). `every` is a function
     to call, and its interval, while waiting."""
     deadline: float | None = None
-    grace = 0.0
+    grace = signalled = 0.0
     killed = False
     last = time.monotonic()
     while True:
@@ -156,10 +156,12 @@ def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp
         if every is not None and now - last >= every[1]:
             every[0]()
             last = now
-        if ctx.flag.signum is not None and deadline is None:
-            ctx.flag.forward()  # a signal that came before the child existed
-            grace = stop_grace_s(ctx)
-            deadline = now + grace
+        if ctx.flag.signum is not None:
+            if deadline is None:
+                ctx.flag.forward()  # a signal that came before the child existed
+                signalled, grace = now, stop_grace_s(ctx)
+            grace = min(grace, stop_grace_s(ctx))  # SIGTERM after USR2 (preemption): KillWait is near
+            deadline = signalled + grace
         if deadline is not None and now > deadline and not killed:  # once: SIGKILL needs no repeating
             killed = True
             ctx.info(f"command still running {grace:.0f} s after the stop signal: killed with its children")
