@@ -98,7 +98,8 @@ def run_command(ctx: Context) -> None:
 def torchrun_argv(ctx: Context) -> list[str]:
     """torchrun for this node: the rendezvous store on the first node (task 0, the node the
     script's MASTER_ADDR names), this node's high-speed name for its peers to reach it. c10d
-    numbers the nodes as they join: global rank 0 is not necessarily on the first node."""
+    numbers the nodes by their sorted --local-addr: global rank 0 is not necessarily on the
+    first node."""
     spec, env = ctx.spec, ctx.env
     master, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     node = os.environ.get("SLURMD_NODENAME")

@@ -99,7 +99,7 @@ class Reported:
         run's record, not a reason to stop its training (the lines stay for the results row)."""
         try:
             self._poll()
-        except Exception as exc:  # noqa: BLE001 (a full disk, an odd line pyarrow refuses: training goes on)
+        except Exception as exc:  # a full disk, an odd line pyarrow refuses: training goes on
             self.warn(f"could not record the reported steps: {exc!r}")
 
     def _poll(self) -> None:
