@@ -43,12 +43,22 @@ install_packages() {
 }
 
 network_up() {
+  # Idempotent over what an earlier cluster left: network namespaces and the bridge outlive the
+  # processes of a session that ended without `down`. No `cmd | grep -q` tests here: under
+  # pipefail the test fails when grep exits before the command's last write (SIGPIPE), and an
+  # `ip addr add` of an address already there then fails ("Address already assigned", seen in CI).
   ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
-  ip addr show dev "$BRIDGE" | grep -q "$NET.1/24" || ip addr add "$NET.1/24" dev "$BRIDGE"
+  ip addr replace "$NET.1/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
-  local i=11
+  local i=11 have
   for node in "${NODES[@]}"; do
-    if ! ip netns list | grep -qw "$node"; then
+    have=$(ip netns exec "$node" ip -4 -o addr show dev "$IFACE" 2>/dev/null || true)
+    if [[ $have != *" $NET.$i/24 "* ]] || ! ip link show "veth-$node" >/dev/null 2>&1; then
+      ip netns del "$node" 2>/dev/null || true  # a namespace half made, or its veth gone
+      ip link del "veth-$node" 2>/dev/null || true
+      if pkill -f "^slurmd -N $node\$"; then  # it would stay in the old namespace
+        wait_for 15 "slurmd of $node to exit" bash -c "! pgrep -f '^slurmd -N $node\$'"
+      fi
       ip netns add "$node"
       ip link add "veth-$node" type veth peer name "tmp-$node"
       ip link set "tmp-$node" netns "$node"
@@ -56,9 +66,9 @@ network_up() {
       ip netns exec "$node" ip addr add "$NET.$i/24" dev "$IFACE"
       ip netns exec "$node" ip link set "$IFACE" up
       ip netns exec "$node" ip link set lo up
-      ip link set "veth-$node" master "$BRIDGE"
-      ip link set "veth-$node" up
     fi
+    ip link set "veth-$node" master "$BRIDGE"
+    ip link set "veth-$node" up
     grep -q "^$NET.$i $node\$" /etc/hosts || echo "$NET.$i $node" >>/etc/hosts
     i=$((i + 1))
   done
@@ -210,11 +220,12 @@ start_mariadb() {
 start_slurm() {
   if ! pgrep -x slurmdbd >/dev/null; then slurmdbd; fi
   wait_for 60 slurmdbd sacctmgr -n list cluster
-  sacctmgr -n list cluster format=cluster | grep -qw "$CLUSTER" || sacctmgr -i add cluster "$CLUSTER" >/dev/null
+  local clusters; clusters=$(sacctmgr -n list cluster format=cluster)
+  [[ " $(echo $clusters) " == *" $CLUSTER "* ]] || sacctmgr -i add cluster "$CLUSTER" >/dev/null
   if ! pgrep -x slurmctld >/dev/null; then slurmctld; fi
   wait_for 60 slurmctld scontrol ping
   for node in "${NODES[@]}"; do
-    if ! pgrep -f "slurmd -N $node" >/dev/null; then
+    if ! pgrep -f "^slurmd -N $node\$" >/dev/null; then
       mkdir -p "/var/spool/slurmd/$node"
       ip netns exec "$node" slurmd -N "$node"
     fi
