@@ -88,6 +88,13 @@ def write(path: Path, step: int, total: int | None, loss: float | None, tokens_p
     })
 
 
+def typical_step_s(times: tp.Iterable[float]) -> float | None:
+    """The step time progress.json shows: the median of `times` (the upper one of an even
+    count), which one slow step (a checkpoint save) does not move; None for no times."""
+    ordered = sorted(times)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def read(run_dir: Path) -> Progress | None:
     """The run's progress, or None before rank 0 first wrote it. The writer replaces the file
     atomically, so a file that does not parse is corrupt, not half-written: refused."""

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import filelock
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from hpcrun.rundir import atomic_path, compact_lock
@@ -103,6 +102,8 @@ class Vanished(Exception):
 def read(paths: list[Path]) -> pa.Table:
     """The rows of `paths` as one table of SCHEMA, copies of an attempt dropped. All files at
     once (threaded) when they are sound; file by file, skipping and reporting bad ones, if not."""
+    import pyarrow.dataset as ds  # here, not at the top: it imports pandas (0.7 s), which writers (rank 0) never need
+
     if not paths:
         return SCHEMA.empty_table()
     try:

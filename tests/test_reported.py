@@ -70,14 +70,26 @@ def test_odd_numbers_neither_stop_the_reader_nor_reach_the_tables(tmp_path: Path
     assert [(r["step"], r["loss"]) for r in written] == [(1, 2.0), (2, None)]
 
 
-def test_a_failed_write_is_a_warning(tmp_path: Path) -> None:
+def test_a_failed_write_is_one_warning_and_its_rows_are_written_later(tmp_path: Path) -> None:
     """The tables are the run's record, not a reason to end its training: a results directory
-    that cannot be written (here a file stands where it should be) warns, and reading goes on."""
-    (tmp_path / "results").write_text("not a directory")
+    that cannot be written (here a file stands where it should be) warns once however many
+    flushes fail, reading goes on, and the rows of the failed writes go with the next one."""
+    results = tmp_path / "results"
+    results.write_text("not a directory")
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text('{"step": 1, "loss": 2.0}\n')
+    metrics.write_text('{"step": 1, "loss": 2.0, "time": 100.0}\n')
     warnings: list[str] = []
-    reader = Reported(metrics, str(tmp_path / "results"), tmp_path / "progress.json", IDS, warnings.append)
+    reader = Reported(metrics, str(results), tmp_path / "progress.json", IDS, warnings.append)
+    reader.poll()
+    with open(metrics, "a") as f:
+        f.write('{"step": 2, "loss": 1.5, "time": 101.0}\n')
     reader.poll()
     assert len(warnings) == 1 and "could not record" in warnings[0], warnings
-    assert [line.step for line in reader.lines] == [1]
+    assert [line.step for line in reader.lines] == [1, 2]
+    results.unlink()  # the disk has room again
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "loss": 1.0, "time": 103.0}\n')
+    reader.poll()
+    written = dataset.read(dataset.files(results)).to_pylist()
+    assert [(r["step"], r["step_time_s"]) for r in written] == [(1, None), (2, 1.0), (3, 2.0)] and len(warnings) == 1
+    assert json.loads((tmp_path / "progress.json").read_text())["step"] == 3

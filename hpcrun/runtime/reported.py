@@ -92,35 +92,42 @@ class Reported:
         self.lines: list[Line] = []
         self.seq = 0
         self.warned = False
+        self.pending: list[dict[str, tp.Any]] = []  # rows a failed write left for the next one
+        self.failing = False
 
     def poll(self) -> None:
-        """Read the complete lines appended since the last poll; write them as one batch of
-        step rows and refresh progress.json. A failed write is a warning: the tables are the
-        run's record, not a reason to stop its training (the lines stay for the results row)."""
+        """Read the complete lines appended since the last poll; write the rows not yet written
+        as one batch of step rows and refresh progress.json. A failed write is one warning until
+        a write succeeds again, and its rows go with the next batch: the tables are the run's
+        record, not a reason to stop its training (the lines stay for the results row)."""
         try:
-            self._poll()
+            new = self._read()
+            self.lines.extend(new)
+            self.pending.extend(self._rows(new))
+            if not self.pending:
+                return
+            dataset.write_batch(self.results_dir, self.pending, self.seq)
+            self.seq += 1
+            self.pending = []
+            self.failing = False
+            self._write_progress()
         except Exception as exc:  # a full disk, an odd line pyarrow refuses: training goes on
-            self.warn(f"could not record the reported steps: {exc!r}")
+            if not self.failing:
+                self.warn(f"could not record the reported steps (tried again at each flush): {exc!r}")
+            self.failing = True
 
-    def _poll(self) -> None:
-        new = self._read()
-        if not new:
-            return
-        previous = self.lines[-1] if self.lines else None
-        self.lines.extend(new)
+    def _rows(self, new: list[Line]) -> list[dict[str, tp.Any]]:
+        previous = self.lines[-len(new) - 1] if len(self.lines) > len(new) else None
         rows = []
         for line in new:
-            seconds = _step_seconds(previous, line)
             rows.append({
                 **self.ids, "step": line.step, "time": dt.datetime.fromtimestamp(line.time or line.read_at, dt.timezone.utc),
                 **{k: line.values.get(k) for k in COLUMNS},
-                "step_time_s": seconds, "step_time_min_s": None, "step_time_median_s": None, "step_time_max_s": None,
+                "step_time_s": _step_seconds(previous, line), "step_time_min_s": None, "step_time_median_s": None, "step_time_max_s": None,
                 "slowest_rank": None, "memory_bytes": None, "extra": line.extra,
             })
             previous = line
-        dataset.write_batch(self.results_dir, rows, self.seq)
-        self.seq += 1
-        self._write_progress()
+        return rows
 
     def step_times(self) -> list[float]:
         """Seconds per step between consecutive reported lines of this attempt."""
@@ -153,8 +160,7 @@ class Reported:
     def _write_progress(self) -> None:
         last = self.lines[-1]
         total = next((line.total for line in reversed(self.lines) if line.total), None)
-        times = sorted(self.step_times()[-20:])
-        seconds = times[len(times) // 2] if times else None
+        seconds = progress.typical_step_s(self.step_times()[-20:])  # the recent steps, as a built-in batch
         progress.write(self.progress_path, last.step, total, last.values.get("loss"), last.values.get("tokens_per_s"), seconds,
                        self.ids["job_id"], self.ids["restart_count"], None)
 

@@ -240,8 +240,7 @@ class StepRecorder:
             step, loss = last.get("step", self.ctx.start_step), last.get("loss")
             rate, seconds = last.get("tokens_per_s"), last.get("step_time_s")
         else:
-            times = sorted(r["step_time_s"] for r in rows)
-            seconds = times[len(times) // 2] if times else None
+            seconds = progress.typical_step_s(r["step_time_s"] for r in rows)
             rate = self.tokens_per_step / seconds if self.tokens_per_step and seconds else None
         found = ckpt.latest(self.ctx.checkpoints.root)
         progress.write(path, step, self.total, loss, rate, seconds, self.ids["job_id"], self.ids["restart_count"], found[0] if found else None)
