@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import time
 import typing as tp
@@ -51,6 +52,7 @@ class HpcrunStop(pl.Callback):
         self.previous: dict[int, tp.Any] = {}
         self.metrics = os.environ.get("HPCRUN_METRICS")
         self.reported_step = -1
+        self.decided_step = -1
 
     def _handle(self, signum: int, frame: tp.Any) -> None:
         self.signum = signum
@@ -59,6 +61,7 @@ class HpcrunStop(pl.Callback):
         # after Lightning registered its handlers for this fit; its teardown restores the originals
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             self.previous[sig] = signal.signal(sig, self._handle)
+        self.decided_step = self.reported_step = trainer.global_step  # steps done before this fit (a resume) are not new
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
@@ -74,6 +77,9 @@ class HpcrunStop(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: tp.Any, batch: tp.Any, batch_idx: int) -> None:
         if trainer.is_global_zero:
             self._report(trainer, outputs)
+        if trainer.global_step == self.decided_step:
+            return  # a batch that only accumulated gradients: a save here would lose them (every rank skips it alike)
+        self.decided_step = self.reported_step = trainer.global_step  # steps done before this fit (a resume) are not new
         if not trainer.strategy.reduce_boolean_decision(bool(self.signum), all=False):
             return
         root = str(trainer.default_root_dir)
@@ -82,6 +88,7 @@ class HpcrunStop(pl.Callback):
         trainer.save_checkpoint(partial)  # collective; returns after its barrier
         if trainer.is_global_zero:
             os.replace(partial, final)
+            prune(root, final)
             print(f"[hpcrun] {signal.Signals(self.signum).name if self.signum else 'a peer'}'s stop: saved {final} at global step {trainer.global_step}; leaving fit for requeue", flush=True)
         raise SystemExit(0)
 
@@ -98,6 +105,18 @@ class HpcrunStop(pl.Callback):
             line["total"] = int(total)
         with open(self.metrics, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def prune(root: str, kept: str) -> None:
+    """Remove the HPC checkpoints older than `kept` (Lightning resumes from the newest only:
+    the older ones would fill the disk one full checkpoint per requeue)."""
+    for name in os.listdir(root):
+        if HPC_CHECKPOINT.match(name) and name != os.path.basename(kept):
+            path = os.path.join(root, name)
+            if os.path.isdir(path):  # a sharded (FSDP, DeepSpeed) checkpoint is a directory
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
 
 
 def next_version(root: str) -> int:

@@ -17,6 +17,7 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--nodes", type=int, default=1)
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--strategy", default="ddp")  # Lightning's fsdp and deepspeed_stage_* need GPUs
+parser.add_argument("--accumulate", type=int, default=1)  # batches per optimizer step
 parser.add_argument("--step-delay-s", type=float, default=0.0)  # lets tests signal a short run mid-way
 args = parser.parse_args()
 
@@ -42,7 +43,7 @@ x = torch.randn(4096, 32, generator=generator)
 data = TensorDataset(x, x.sum(dim=1, keepdim=True))
 trainer = L.Trainer(
     accelerator="auto", devices=args.devices, num_nodes=args.nodes, strategy=args.strategy,
-    max_steps=args.steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
+    max_steps=args.steps, accumulate_grad_batches=args.accumulate, enable_progress_bar=False, enable_model_summary=False, logger=False,
 )
 trainer.fit(Regression(), DataLoader(data, batch_size=8))
 if trainer.is_global_zero:

@@ -20,16 +20,19 @@ from tests.helpers import ROOT
 from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-# 120 steps at >= 0.1 s: >= 12 s of training after which a checkpoint (every 20 steps) exists
-TRAINING = {"steps": 120, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
-CHECKPOINT = {"interval": 20, "max_requeues": 3, "export_final": True}
-PAUSED = entrypoint_job(str(ROOT), 0.1)
+# 60 steps at >= 0.2 s: >= 12 s of training after which a checkpoint (every 10 steps) exists.
+# Time, not steps, bounds these jobs: fewer steps with longer pauses cost this CPU less (a step
+# of the 4 ranks is ~0.3 s of CPU; 120 steps at 0.1 s cost 17 s more per run than these).
+TRAINING = {"steps": 60, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+CHECKPOINT = {"interval": 10, "max_requeues": 3, "export_final": True}
+PAUSED = entrypoint_job(str(ROOT), 0.2)
 
 
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The uninterrupted runs at world size 4 and 2 (tests.runs.local_baseline; the one at 4 is
-    tests/test_cluster_requeue.py's too), training while the cluster jobs fail and requeue."""
+    """The uninterrupted runs at world size 4 (these tests') and 2 (tests/test_cluster_requeue.py's
+    time-limit test's; tests.runs.local_baseline: each runs once, shared), training while the
+    cluster jobs fail and requeue."""
     return {world: local_baseline(tmp_path_factory, world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)}
 
 

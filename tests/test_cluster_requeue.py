@@ -22,9 +22,9 @@ from tests.test_fault_tolerance import checkpoint_after
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # Interrupted jobs are bounded by time, not by this CPU's speed: a pause after every step makes
-# the 120 steps last at least 12 s, so after the first checkpoint (step 20) there are >= 10 s for
+# the 60 steps last at least 12 s, so after the first checkpoint (step 10) there are >= 10 s for
 # a signal or a preemption to land. Baselines run the same training without the pause.
-STEP_DELAY_S = 0.1
+STEP_DELAY_S = 0.2
 PAUSED = entrypoint_job(str(ROOT), STEP_DELAY_S)
 
 
@@ -41,6 +41,12 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same training never interrupted, 4 ranks on this machine (tests.runs.local_baseline,
     shared with tests/test_cluster_faults.py), training while the cluster tests run."""
     return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT)
+
+
+@pytest.fixture(scope="module")
+def baseline_of_two(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same at 2 ranks (also tests/test_cluster_faults.py's)."""
+    return local_baseline(tmp_path_factory, 2, training=TRAINING, checkpoint=CHECKPOINT)
 
 
 def records(job: str) -> list[str]:
@@ -74,33 +80,35 @@ def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 
 
-def test_time_limit_requeues_until_done(shared: Path, baseline: Path) -> None:
+def test_time_limit_requeues_until_done(shared: Path, baseline_of_two: Path) -> None:
     """A job whose work outlasts its 2-minute limit: USR2 ahead of the limit, save, requeue,
-    until done; the result equals a run that was never cut."""
-    # with a 0.8 s pause per step, >= 96 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
+    until done; the result equals a run that was never cut. One rank on each of 2 nodes: every
+    attempt starts anew, and 4 ranks' start-up on a loaded CI machine ate so much of each
+    attempt's 60-90 s that 5 attempts once did not finish."""
+    # with a 1.6 s pause per step, >= 96 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
     # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
     # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
         shared, "timelimit",
-        resources={**TWO_NODES, "time": "00:02:00"},
+        resources={"nodes": 2, "gpus_per_node": 1, "time": "00:02:00"},
         # the most requeues a recipe may ask for: under a loaded CI machine an attempt's start-up
         # can eat half of its 60-90 s (seen: the cap of 3 reached once)
         checkpoint={**CHECKPOINT, "signal_lead_s": 30, "max_requeues": 4},
-        job=entrypoint_job(str(ROOT), 0.8),
+        job=entrypoint_job(str(ROOT), 1.6),
     )
     final = wait_done(run_dir, timeout=600)
     assert final["status"] == "completed"
     starts = records(job)
     assert len(starts) >= 2 and starts[:-1] == ["REQUEUED"] * (len(starts) - 1), starts  # cut at least once
-    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline_of_two)
 
 
 def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(shared: Path, baseline: Path) -> None:
     """USR2 mid-way (hpcrun saves and requeues), then, mid-way through the resumed attempt, the
     higher-priority partition takes both nodes (GraceTime 0: USR2 and SIGTERM together; SLURM
     requeues, hpcrun does not requeue twice). One requeue each; the weights of an uninterrupted run."""
-    # 0.3 s per step: >= 36 s of training, time for both interruptions after their checkpoints
-    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 0.3))
+    # 0.6 s per step: >= 36 s of training, time for both interruptions after their checkpoints
+    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 0.6))
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     wait_for(lambda: status(run_dir) == "requeued", what="the USR2 stop", timeout=120)
@@ -122,6 +130,7 @@ def test_crashing_job_stops_at_the_cap(shared: Path) -> None:
         shared, "crash",
         job={"kind": "command", "command": ["python", "-c", crash]},
         checkpoint={**CHECKPOINT, "max_requeues": 2},
+        resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},  # the cap needs no more: 3 attempts of 1 rank
     )
     final = wait_done(run_dir, timeout=300)
     assert final["status"] == "failed"

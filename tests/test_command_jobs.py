@@ -84,6 +84,25 @@ def test_command_ignoring_the_signals_is_killed_with_its_children(tmp_path: Path
     print(f"duration {time.monotonic() - began:.0f} s")
 
 
+def test_torchrun_gives_its_workers_the_usr2_grace(tmp_path: Path) -> None:
+    """After USR2 a torchrun worker may take longer than torchrun's own 30 s default to save:
+    hpcrun's grace (the lead less 30 s: 50 s here) reaches it through torchrun."""
+    site = site_copy(tmp_path)
+    script = ("import signal,time; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); open('started', 'w').close(); "
+              "signal.sigwait([signal.SIGTERM]); time.sleep(35); open('saved', 'w').close()")  # a 35 s save
+    job = {"kind": "command", "launcher": "torchrun", "command": ["python", "-c", script], "workdir": "."}
+    rec = recipe(tmp_path, "torchrun-slow-save", job=job, resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
+                 checkpoint={"signal_lead_s": 80})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    wait_for(lambda: (tmp_path / "started").exists() and len(ranks(run_dir)) == 1, what="the worker's start")
+    for pid in ranks(run_dir):
+        os.kill(pid, signal.SIGUSR2)
+    wait_for(lambda: status(run_dir) is not None, timeout=90, what="the stop")
+    final = state(run_dir)
+    assert final["status"] == "stopped" and "SIGUSR2" in final["reason"], final
+    assert (tmp_path / "saved").exists(), "torchrun killed its worker mid-save"
+
+
 def test_torchrun_launcher_runs_the_ranks_and_reports_steps(tmp_path: Path) -> None:
     """jobs/torchrun.yaml on this machine: one task runs torchrun, which starts 2 ranks (the
     script's all-reduce sees 2); the script's reported steps fill the per-step table and the
@@ -105,18 +124,19 @@ def ranks_started(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "logs").glob("*_log.out"))
 
 
-def lightning_recipe(tmp_path: Path, steps: int, delay: float) -> Path:
+def lightning_recipe(tmp_path: Path, steps: int, delay: float, accumulate: int = 1) -> Path:
     script = str(ROOT / "jobs" / "lightning_train.py")
-    job = {"kind": "command", "command": ["python", script, "--steps", str(steps), "--devices", "2", "--step-delay-s", str(delay)]}
+    job = {"kind": "command", "command": ["python", script, "--steps", str(steps), "--devices", "2", "--step-delay-s", str(delay), "--accumulate", str(accumulate)]}
     return recipe(tmp_path, "lightning", job=job)
 
 
 def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> None:
     """USR2 to the ranks (as SLURM signals every task): the script saves Lightning's HPC
     checkpoint at the step all ranks agree on and leaves fit before its end; the attempt is
-    stopped at that step."""
+    stopped at that step. With gradient accumulation (4 batches a step) the save comes after
+    an optimizer step, never between micro-batches (their gradients would be lost)."""
     site = site_copy(tmp_path)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(lightning_recipe(tmp_path, 200, 0.2))))
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(lightning_recipe(tmp_path, 200, 0.05, accumulate=4))))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     metrics = run_dir / "reported" / f"{job}-0.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, what="three reported steps")
@@ -129,8 +149,11 @@ def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> No
     assert [p.name for p in saved] == ["hpc_ckpt_1.ckpt"] and not list((run_dir / "lightning").glob("hpcrun-stop*"))
     import torch
 
-    step = torch.load(saved[0], weights_only=False, map_location="cpu")["global_step"]
+    checkpoint = torch.load(saved[0], weights_only=False, map_location="cpu")
+    step = checkpoint["global_step"]
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert 3 <= step == last < 200, (step, last)  # saved at the last reported step, mid-run
+    batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+    assert batches == 4 * step, (batches, step)  # at an optimizer step's end, not between micro-batches
     logs = "".join(p.read_text() for p in ranks_started(run_dir))
     assert "steps over" not in logs  # fit was left: the script's code after it did not run

@@ -28,6 +28,7 @@ so that a Lightning run's checkpoints are its own and not its working directory'
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -69,6 +70,10 @@ def run_command(ctx: Context) -> None:
         "HPCRUN_CHECKPOINT_DIR": str(ctx.checkpoints.root), "HPCRUN_METRICS": str(reported_path),
     }
     env.setdefault("PL_TRAINER_DEFAULT_ROOT_DIR", str(run_dir.path / "lightning"))
+    if job.launcher == "torchrun":
+        # torchrun SIGKILLs its workers this long after forwarding SIGTERM (30 s unless told):
+        # never before hpcrun's own grace ends, or a long save after USR2 would be cut short
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(math.ceil(max_grace_s(ctx.spec.signal_lead_s)) + 5))
     reported = None
     if ctx.env.is_main:
         reported_path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,8 +141,13 @@ def stop_grace_s(ctx: Context) -> float:
     separates SIGTERM from SIGKILL."""
     lead = ctx.spec.signal_lead_s
     if ctx.flag.signum == signal.SIGUSR2:
-        return max(1.0, lead / 2, lead - USR2_MARGIN_S)
+        return max_grace_s(lead)
     return max(1.0, min(STOP_GRACE_MAX_S, lead / 2))
+
+
+def max_grace_s(lead: float) -> float:
+    """The longest grace, USR2's."""
+    return max(1.0, lead / 2, lead - USR2_MARGIN_S)
 
 
 def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp.Callable[[], None], float] | None = None) -> int:

@@ -117,6 +117,9 @@ MessageTimeout=30
 MinJobAge=600
 InactiveLimit=0
 MaxArraySize=1001
+# past every job slurmdbd already holds (start_slurm): a slurmctld killed before it saved its
+# state would hand out ids again, and `sacct -j ID` would mix two jobs' records
+FirstJobId=$(cat "$ETC/first-job-id" 2>/dev/null || echo 1)
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
@@ -222,7 +225,12 @@ start_slurm() {
   wait_for 60 slurmdbd sacctmgr -n list cluster
   local clusters; clusters=$(sacctmgr -n list cluster format=cluster)
   [[ " $(echo $clusters) " == *" $CLUSTER "* ]] || sacctmgr -i add cluster "$CLUSTER" >/dev/null
-  if ! pgrep -x slurmctld >/dev/null; then slurmctld; fi
+  if ! pgrep -x slurmctld >/dev/null; then
+    local last; last=$(sacct -X -n -P -a -S 2000-01-01 -E now -o JobIDRaw | sort -n | tail -1)
+    echo $(( ${last:-0} + 1 )) >"$ETC/first-job-id"
+    write_config || true
+    slurmctld
+  fi
   wait_for 60 slurmctld scontrol ping
   for node in "${NODES[@]}"; do
     if ! pgrep -f "^slurmd -N $node\$" >/dev/null; then
