@@ -105,6 +105,9 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running(tmp_path: Path) -> None:
     cli = subprocess.Popen(
         [sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(site), "--wait", str(rec)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # Ctrl-C's default action, as at a terminal: pytest started in the background by a shell
+        # without job control has SIGINT ignored, and Python keeps an inherited SIG_IGN
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     runs = tmp_path / "runs"
     deadline = time.time() + 120
