@@ -95,6 +95,10 @@ def test_time_limit_requeues_until_done(shared: Path, baseline_of_two: Path) -> 
         # can eat half of its 60-90 s (seen: the cap of 3 reached once)
         checkpoint={**CHECKPOINT, "signal_lead_s": 30, "max_requeues": 4},
         job=entrypoint_job(str(ROOT), 1.6),
+        # the baseline's ranks share 2 cores (1 thread each); alone on a namespace node (task/none:
+        # every core), a rank would take 2, and a CPU matmul's sums split by thread count differ
+        # in the last bit (seen: other weights with OMP_NUM_THREADS=2, same code)
+        env={"OMP_NUM_THREADS": "1"},
     )
     final = wait_done(run_dir, timeout=600)
     assert final["status"] == "completed"
