@@ -9,7 +9,6 @@ whose jobs or state file cannot be read, stops the sweep with one line and submi
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import typing as tp
 from pathlib import Path
 
@@ -166,7 +165,7 @@ def limits() -> tuple[int, int | None]:
     array the controller refuses halfway through a sweep."""
     config = _ask(["scontrol", "show", "config"], "read MaxArraySize")
     size = next((int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"), MAX_ARRAY_SIZE)
-    user = getpass.getuser()
+    user = slurm.user()
     assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
     caps = [int(x) for x in assoc.split() if x.strip().isdigit()]
     if not caps:

@@ -4,7 +4,6 @@ then a short probe job on N nodes. Every finding is one line with a status and w
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import re
 import shutil
 import subprocess
@@ -81,7 +80,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
         if not problems:
             found.append(Finding("ok", check, f"{s['nodes']} nodes, {node_cpus} CPUs, {mem_gb:.1f} GB, GRES {s['gres']}, limit {s['limit']}"))
     if site.account or site.qos:
-        answer = _run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={getpass.getuser()}", "format=account,qos"])
+        answer = _run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={slurm.user()}", "format=account,qos"])
         if answer.returncode != 0:
             raise HpcrunError(f"sacctmgr failed, so account and qos cannot be checked: {answer.stderr.strip() or f'exit status {answer.returncode}'}")
         assoc = answer.stdout

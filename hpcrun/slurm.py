@@ -5,6 +5,8 @@ hook for the script text)."""
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import subprocess
 import typing as tp
@@ -23,6 +25,13 @@ def run(cmd: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProce
         raise HpcrunError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
     except subprocess.TimeoutExpired as exc:
         raise HpcrunError(f"{cmd[0]} did not answer within {timeout:.0f} s: is slurmctld reachable?") from exc
+
+
+def user() -> str:
+    """The user SLURM holds jobs and limits under: the name of this process's uid. Not $USER
+    (getpass): `sudo -u`, `su` without `-` and setpriv leave it naming the user before, whose
+    association (and MaxSubmitJobs) SLURM would not apply."""
+    return pwd.getpwuid(os.getuid()).pw_name
 
 
 def job_id(environ: tp.Mapping[str, str]) -> str:

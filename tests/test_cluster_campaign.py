@@ -2,7 +2,7 @@
 upper half of an 8-node cluster, `testcluster.sh up --nodes 8`), held by SLURM as job arrays,
 watched by one and then ten `hpcrun status --wait` processes whose RPCs SLURM itself counts
 (per user: the watchers run as the unprivileged `hpcwatch`), partly run, resubmitted (nothing
-new), and cancelled whole.
+new), and cancelled whole; a sweep past a user's MaxSubmitJobs, deferred and finished by later runs.
 
 CI runs this file apart from the other cluster tests, at the same time (they use the lower half)."""
 
@@ -144,6 +144,71 @@ def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_di
     while subprocess.run(["squeue", "-h", "-r", "-j", ",".join(sorted(arrays))], capture_output=True, text=True).stdout.strip():
         assert time.time() < deadline, "jobs still queued 60 s after hpcrun cancel"
         time.sleep(1)
+
+
+QUOTA, CAP = "hpcquota", 25  # tests/cluster/testcluster.sh: this user's MaxSubmitJobs, enforced
+
+
+def as_quota(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    # USER and LOGNAME still root's, as setpriv (or `su` without `-`) leaves them: SLURM goes by the uid
+    env = {**os.environ, "HOME": str(home), "HPCRUN_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(ROOT), "USER": "root", "LOGNAME": "root"}
+    out = subprocess.run([*hpcrun_as(QUOTA), *args], env=env, cwd=home, capture_output=True, text=True, timeout=300)
+    assert not check or out.returncode == 0, f"hpcrun {' '.join(args)} as {QUOTA}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+def queued(user: str) -> list[str]:
+    """The jobs (array tasks one by one) SLURM holds for `user`, pending or running."""
+    return subprocess.run(["squeue", "-h", "-r", "-u", user, "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_a_sweep_past_max_submit_jobs_is_deferred_then_submitted(base: Path) -> None:
+    """A 30-point sweep by a user SLURM lets hold 25 jobs: hpcrun submits 25 and defers 5 (one
+    more job is refused by slurmctld: the cap is real), a second run with no headroom submits
+    nothing, and once 5 of them have left the queue the next run submits the 5 deferred."""
+    home = base / "quota"
+    home.mkdir()
+    shutil.chown(home, QUOTA)
+    site = scale_site(home)
+    rec = home / "quota.yaml"
+    rec.write_text(yaml.safe_dump({
+        "name": "quota", "job": {"kind": "command", "command": ["sleep", "300"]},
+        "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
+        "sweep": {"axes": {"training.seed": list(range(CAP + 5))}},
+    }))
+    # none may start and leave the queue while the test counts: the partition queues, never runs
+    subprocess.run(["scontrol", "update", "PartitionName=scale", "State=DOWN"], check=True)
+    try:
+        first = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
+        assert f"submitted {CAP} point(s); 0 already submitted" in first and first.count("  deferred ") == 5, first
+        sweep_dir = next((home / "runs" / "sweeps").iterdir())
+        jobs = sorted(e["job_id"] for e in json.loads((sweep_dir / "ledger.json").read_text())["points"].values())
+        assert sorted(queued(QUOTA)) == jobs and len(jobs) == CAP
+        extra = subprocess.run(["setpriv", f"--reuid={QUOTA}", f"--regid={QUOTA}", "--clear-groups", "sbatch", "-p", "scale", "-o", "/dev/null", "--wrap", "true"],
+                               capture_output=True, text=True, cwd=home)
+        assert extra.returncode != 0 and "limit" in extra.stderr.lower(), (extra.stdout, extra.stderr, "a slurmctld started before AccountingStorageEnforce was set needs a restart")  # SLURM enforces the cap
+
+        second = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
+        assert f"submitted 0 point(s); {CAP} already submitted" in second and second.count("  deferred ") == 5, second
+
+        subprocess.run(["scancel", *jobs[-5:]], check=True)
+        wait = time.time() + 60
+        while len(queued(QUOTA)) > CAP - 5:
+            assert time.time() < wait, queued(QUOTA)
+            time.sleep(1)
+        third = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
+        assert f"submitted 5 point(s); {CAP} already submitted" in third and "  deferred " not in third, third
+        ledger = json.loads((sweep_dir / "ledger.json").read_text())["points"]
+        assert len(ledger) == CAP + 5 and len(queued(QUOTA)) == CAP
+
+        as_quota(home, "cancel", "--site", str(site), sweep_dir.name)
+        wait = time.time() + 60
+        while queued(QUOTA):
+            assert time.time() < wait, f"still queued after hpcrun cancel: {queued(QUOTA)}"
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", "-u", QUOTA], capture_output=True)
+        subprocess.run(["scontrol", "update", "PartitionName=scale", "State=UP"], check=True)
 
 
 def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -14,7 +14,8 @@
 # `batch` (the default) and `urgent` (a higher priority tier that preempts `batch` with requeue)
 # on node[1-2]; pool k is `batchk`/`urgentk` on the next two nodes. `all` spans every node; from
 # 8 nodes, `scale` spans the upper half (the scale tests', tests/test_cluster_campaign.py). A user
-# `hpcwatch` runs the polling test's watchers (SLURM counts RPCs per user).
+# `hpcwatch` runs the polling test's watchers (SLURM counts RPCs per user); `hpcquota` may hold 25 jobs
+# (MaxSubmitJobs, enforced: the sweep-deferral test).
 # N defaults to 2 (one pool), or to the node count of a cluster already up.
 # Needs root. See shared notes/slurm-testbed.md for why each setting is here.
 set -euo pipefail
@@ -124,6 +125,9 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 AccountingStorageType=accounting_storage/slurmdbd
+# association limits are enforced, as on shared clusters: `hpcquota` may hold 25 jobs (array
+# tasks count one each), and a sweep past that is refused by slurmctld, not only by hpcrun
+AccountingStorageEnforce=limits
 # the bridge address, not localhost: jobs on the nodes (their own network namespaces) ask sacct too
 AccountingStorageHost=$NET.1
 JobAcctGatherType=jobacct_gather/linux
@@ -177,11 +181,20 @@ node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}", in pools o
   fi
 }
 
-watcher_user() {
-  # An unprivileged user for the polling test: SLURM counts RPCs per user (sdiag, sacctmgr show
-  # stats), so its watchers' queries are told apart from everything root does meanwhile. It runs
-  # this machine's Python and hpcrun: the directories above them must let it pass.
-  id hpcwatch >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin hpcwatch
+test_users() {
+  # Unprivileged users: `hpcwatch` for the polling test (SLURM counts RPCs per user: sdiag,
+  # sacctmgr show stats; its watchers' queries are told apart from everything root does), and
+  # `hpcquota`, whose association holds at most 25 jobs (MaxSubmitJobs, a common per-user cap:
+  # the sweep-deferral test). They run this machine's Python and hpcrun: the directories above
+  # them must let them pass.
+  local user
+  for user in hpcwatch hpcquota; do
+    id "$user" >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin "$user"
+  done
+  if [ -z "$(sacctmgr -n -P show assoc where user=hpcquota format=user)" ]; then
+    sacctmgr -i add account quota cluster="$CLUSTER" >/dev/null
+    sacctmgr -i add user hpcquota account=quota maxsubmitjobs=25 >/dev/null
+  fi
   local dir
   for dir in "$(python3 -c 'import sys; print(sys.base_prefix)')" "$(python3 -c 'import hpcrun, os; print(os.path.dirname(hpcrun.__file__))' 2>/dev/null || true)"; do
     while [ -n "$dir" ] && [ "$dir" != / ]; do
@@ -273,7 +286,7 @@ up() {
   if scontrol ping >/dev/null 2>&1 && nodes_up 2>/dev/null; then
     # running (maybe busy): only a changed configuration to apply
     if ! write_config; then log "slurm.conf changed: scontrol reconfigure"; scontrol reconfigure; fi
-    watcher_user
+    test_users
     log "already up"; status; return
   fi
   install_packages
@@ -282,7 +295,7 @@ up() {
   start_munge
   start_mariadb
   start_slurm
-  watcher_user
+  test_users
   log "up: $(sinfo -h -N -o '%N:%t' | tr '\n' ' ')"
 }
 
