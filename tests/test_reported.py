@@ -93,3 +93,20 @@ def test_a_failed_write_is_one_warning_and_its_rows_are_written_later(tmp_path: 
     written = dataset.read(dataset.files(results)).to_pylist()
     assert [(r["step"], r["step_time_s"]) for r in written] == [(1, None), (2, 1.0), (3, 2.0)] and len(warnings) == 1
     assert json.loads((tmp_path / "progress.json").read_text())["step"] == 3
+
+
+def test_a_line_the_tables_cannot_store_does_not_stop_the_record(tmp_path: Path) -> None:
+    """A key JSON allows but the tables cannot store (a lone surrogate, "\\ud800") is dropped with
+    the line's other values kept; the steps after it are written as they come (it once stayed in
+    every later batch, and nothing more was recorded for the attempt)."""
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0, "\\ud800": 1.0, "ok": 3.0, "time": 100.0}\n')
+    warnings: list[str] = []
+    reader = Reported(metrics, str(tmp_path / "results"), tmp_path / "progress.json", IDS, warnings.append)
+    reader.poll()
+    with open(metrics, "a") as f:
+        f.write('{"step": 2, "loss": 1.5, "time": 101.0}\n')
+    reader.poll()
+    written = dataset.read(dataset.files(tmp_path / "results")).to_pylist()
+    assert [(r["step"], r["loss"], dict(r["extra"])) for r in written] == [(1, 2.0, {"ok": 3.0}), (2, 1.5, {})] and not warnings, (written, warnings)
+    assert json.loads((tmp_path / "progress.json").read_text())["step"] == 2

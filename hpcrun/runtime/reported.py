@@ -35,6 +35,7 @@ from hpcrun import steps as dataset
 COLUMNS = ("loss", "lr", "grad_norm", "tokens_per_s")
 KNOWN = {"step", "time", "total", *COLUMNS}
 MAX_UNIX_TIME = 1e11  # seconds (the year 5138): a millisecond clock (1.7e12 today) is above it
+MAX_PENDING = 100_000  # rows kept for a write that failed (a day of steps at ~1 per second)
 
 
 @dataclasses.dataclass
@@ -63,6 +64,14 @@ def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else None
 
 
+def _storable(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse(text: str, read_at: float) -> Line | None:
     """One reported line, or None when it is not a JSON object with an integer `step`. A `time`
     that is not Unix seconds (milliseconds, a step counter) is dropped: the line is timed when read."""
@@ -78,7 +87,9 @@ def parse(text: str, read_at: float) -> Line | None:
         step=step, time=when if when is not None and 0 < when < MAX_UNIX_TIME else None, read_at=read_at,
         total=_count(data.get("total")),
         values={k: numbers[k] for k in COLUMNS if k in numbers},
-        extra={k: v for k, v in numbers.items() if k not in KNOWN},
+        # a key the tables cannot store (a lone surrogate from a JSON escape) is dropped here, not
+        # left to fail every later write of the batch it is in
+        extra={k: v for k, v in numbers.items() if k not in KNOWN and _storable(k)},
     )
 
 
@@ -98,20 +109,27 @@ class Reported:
     def poll(self) -> None:
         """Read the complete lines appended since the last poll; write the rows not yet written
         as one batch of step rows and refresh progress.json. A failed write is one warning until
-        a write succeeds again, and its rows go with the next batch: the tables are the run's
-        record, not a reason to stop its training (the lines stay for the results row)."""
+        a write succeeds again, and its rows go with the next batch (the newest MAX_PENDING): the
+        tables are the run's record, not a reason to stop its training (the lines stay for the
+        results row). Rows the tables refuse for what they hold are dropped, not retried forever."""
         try:
             new = self._read()
             self.lines.extend(new)
-            self.pending.extend(self._rows(new))
+            self.pending = (self.pending + self._rows(new))[-MAX_PENDING:]
             if not self.pending:
                 return
-            dataset.write_batch(self.results_dir, self.pending, self.seq)
+            try:
+                dataset.write_batch(self.results_dir, self.pending, self.seq)
+            except OSError:
+                raise  # a full disk or a lost mount: the same rows may go later
+            except Exception:
+                self.pending = []  # what pyarrow refuses would fail every later batch too
+                raise
             self.seq += 1
             self.pending = []
             self.failing = False
             self._write_progress()
-        except Exception as exc:  # a full disk, an odd line pyarrow refuses: training goes on
+        except Exception as exc:  # training goes on
             if not self.failing:
                 self.warn(f"could not record the reported steps (tried again at each flush): {exc!r}")
             self.failing = True
