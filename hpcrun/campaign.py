@@ -140,7 +140,7 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
                 ledger.save()
                 wait([Path(spec.run_dir)])
         else:
-            chunks, deferred = arrays(specs, *(limits() if not dry_run else (MAX_ARRAY_SIZE, None)))
+            chunks, deferred = arrays(specs, *(limits(site.account) if not dry_run else (MAX_ARRAY_SIZE, None)))
             outcome.deferred = [by_run[s.run_id].label for s in deferred]
             for chunk in chunks:
                 spec_text = f"0-{len(chunk) - 1}" + (f"%{limit}" if limit else "")
@@ -159,14 +159,17 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
     return outcome
 
 
-def limits() -> tuple[int, int | None]:
-    """(MaxArraySize, jobs the user may still submit under MaxSubmitJobs, or None if unlimited).
+def limits(account: str | None = None) -> tuple[int, int | None]:
+    """(MaxArraySize, jobs the user may still submit under MaxSubmitJobs, or None if unlimited):
+    the association of `account` (the site's), or the smallest cap of the user's associations
+    when the site names none (jobs go to the default account, which is one of them).
     A SLURM tool that is missing, fails or hangs is one line: guessing a limit could submit an
     array the controller refuses halfway through a sweep."""
     config = _ask(["scontrol", "show", "config"], "read MaxArraySize")
     size = next((int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"), MAX_ARRAY_SIZE)
     user = slurm.user()
-    assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
+    where = [f"user={user}", *([f"account={account}"] if account else [])]
+    assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
     caps = [int(x) for x in assoc.split() if x.strip().isdigit()]
     if not caps:
         return size, None

@@ -12,7 +12,8 @@ Who handles what, so that one signal means exactly one save and one requeue:
 - During training this callback owns USR2 and SIGTERM: the handler only sets a flag. Lightning's
   own SIGTERM handler broadcasts inside the handler, which deadlocks when the signal reaches
   ranks at different points of a step (one in a collective, one not); this callback's flag is
-  agreed on by all ranks at the end of every training batch (one tiny all-reduce), then all
+  agreed on by all ranks at the end of every batch that ended an optimizer step (one tiny
+  all-reduce; never between accumulated micro-batches), then all
   ranks save Lightning's HPC checkpoint (`hpc_ckpt_<n>.ckpt` in the Trainer's root, which hpcrun
   points at the run's directory) and leave `fit` by SystemExit, before any code after `fit`
   could take the stop for the end of training.
@@ -79,7 +80,7 @@ class HpcrunStop(pl.Callback):
             self._report(trainer, outputs)
         if trainer.global_step == self.decided_step:
             return  # a batch that only accumulated gradients: a save here would lose them (every rank skips it alike)
-        self.decided_step = self.reported_step = trainer.global_step  # steps done before this fit (a resume) are not new
+        self.decided_step = trainer.global_step
         if not trainer.strategy.reduce_boolean_decision(bool(self.signum), all=False):
             return
         root = str(trainer.default_root_dir)
@@ -88,7 +89,8 @@ class HpcrunStop(pl.Callback):
         trainer.save_checkpoint(partial)  # collective; returns after its barrier
         if trainer.is_global_zero:
             os.replace(partial, final)
-            prune(root, final)
+            if _inside(root, os.environ["HPCRUN_RUN_DIR"]):  # never another run's files, in a root the script shares
+                prune(root)
             print(f"[hpcrun] {signal.Signals(self.signum).name if self.signum else 'a peer'}'s stop: saved {final} at global step {trainer.global_step}; leaving fit for requeue", flush=True)
         raise SystemExit(0)
 
@@ -107,16 +109,25 @@ class HpcrunStop(pl.Callback):
             f.write(json.dumps(line) + "\n")
 
 
-def prune(root: str, kept: str) -> None:
-    """Remove the HPC checkpoints older than `kept` (Lightning resumes from the newest only:
-    the older ones would fill the disk one full checkpoint per requeue)."""
-    for name in os.listdir(root):
-        if HPC_CHECKPOINT.match(name) and name != os.path.basename(kept):
-            path = os.path.join(root, name)
+def prune(root: str, keep: int = 2) -> None:
+    """Remove all but the `keep` newest HPC checkpoints in `root`: one full checkpoint per requeue
+    would fill the disk. Lightning resumes from the newest; the one before it stays as the
+    fallback should the newest not have reached the disk whole (the save is not fsynced). A
+    removal that fails is a line in the log: the stop goes on."""
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(root) if (m := HPC_CHECKPOINT.match(name))), reverse=True)
+    for _, name in found[keep:]:
+        path = os.path.join(root, name)
+        try:
             if os.path.isdir(path):  # a sharded (FSDP, DeepSpeed) checkpoint is a directory
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(path)
             else:
                 os.remove(path)
+        except OSError as exc:
+            print(f"[hpcrun] could not remove the older checkpoint {path}: {exc}", flush=True)
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep)
 
 
 def next_version(root: str) -> int:

@@ -5,6 +5,7 @@ hook for the script text)."""
 
 from __future__ import annotations
 
+import getpass
 import os
 import pwd
 import shutil
@@ -29,9 +30,13 @@ def run(cmd: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProce
 
 def user() -> str:
     """The user SLURM holds jobs and limits under: the name of this process's uid. Not $USER
-    (getpass): `sudo -u`, `su` without `-` and setpriv leave it naming the user before, whose
-    association (and MaxSubmitJobs) SLURM would not apply."""
-    return pwd.getpwuid(os.getuid()).pw_name
+    first (getpass): setpriv, and `su`/`runuser` to root without `-`, leave it naming the user
+    before, whose association (and MaxSubmitJobs) SLURM would not apply. A uid with no passwd
+    entry (a container, a directory service down) falls back to $USER."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return getpass.getuser()
 
 
 def job_id(environ: tp.Mapping[str, str]) -> str:

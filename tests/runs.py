@@ -42,7 +42,11 @@ def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
     for key, value in changes.items():
         data[key] = value
     path = tmp / f"{data['name']}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    # whole or not at all: pytest processes sharing a directory (baselines) write the same copy
+    # while another's `hpcrun submit` reads it
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(yaml.safe_dump(data))
+    os.replace(partial, path)
     return path
 
 

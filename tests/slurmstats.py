@@ -26,7 +26,11 @@ def rpc_counts(user: str = WATCHER) -> tuple[int, int]:
     return by_user(ctld), by_user(dbd)
 
 
+def run_as(user: str) -> list[str]:
+    """The command prefix running a command as `user`: setpriv execs (no process in between), so
+    signals reach the command itself."""
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
+
+
 def hpcrun_as(user: str = WATCHER) -> list[str]:
-    """The command prefix running `hpcrun` as `user`: setpriv execs (no process in between), so
-    signals reach hpcrun itself."""
-    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", sys.executable, "-m", "hpcrun.cli"]
+    return [*run_as(user), sys.executable, "-m", "hpcrun.cli"]

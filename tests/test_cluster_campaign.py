@@ -25,7 +25,7 @@ import yaml
 
 from tests.helpers import ROOT
 from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy
-from tests.slurmstats import WATCHER, hpcrun_as, rpc_counts
+from tests.slurmstats import WATCHER, hpcrun_as, rpc_counts, run_as
 from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, wait_checkpoint, wait_done
 
 pytestmark = [pytest.mark.cluster, pytest.mark.scale, pytest.mark.slow]
@@ -150,7 +150,7 @@ QUOTA, CAP = "hpcquota", 25  # tests/cluster/testcluster.sh: this user's MaxSubm
 
 
 def as_quota(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    # USER and LOGNAME still root's, as setpriv (or `su` without `-`) leaves them: SLURM goes by the uid
+    # USER and LOGNAME still root's, as setpriv leaves them: SLURM goes by the uid
     env = {**os.environ, "HOME": str(home), "HPCRUN_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(ROOT), "USER": "root", "LOGNAME": "root"}
     out = subprocess.run([*hpcrun_as(QUOTA), *args], env=env, cwd=home, capture_output=True, text=True, timeout=300)
     assert not check or out.returncode == 0, f"hpcrun {' '.join(args)} as {QUOTA}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
@@ -179,12 +179,17 @@ def test_a_sweep_past_max_submit_jobs_is_deferred_then_submitted(base: Path) -> 
     # none may start and leave the queue while the test counts: the partition queues, never runs
     subprocess.run(["scontrol", "update", "PartitionName=scale", "State=DOWN"], check=True)
     try:
+        subprocess.run(["scancel", "-u", QUOTA], check=True)  # what a run of this test killed halfway left
+        wait = time.time() + 60
+        while queued(QUOTA):
+            assert time.time() < wait, f"{QUOTA}'s earlier jobs still queued: {queued(QUOTA)}"
+            time.sleep(1)
         first = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
         assert f"submitted {CAP} point(s); 0 already submitted" in first and first.count("  deferred ") == 5, first
         sweep_dir = next((home / "runs" / "sweeps").iterdir())
         jobs = sorted(e["job_id"] for e in json.loads((sweep_dir / "ledger.json").read_text())["points"].values())
         assert sorted(queued(QUOTA)) == jobs and len(jobs) == CAP
-        extra = subprocess.run(["setpriv", f"--reuid={QUOTA}", f"--regid={QUOTA}", "--clear-groups", "sbatch", "-p", "scale", "-o", "/dev/null", "--wrap", "true"],
+        extra = subprocess.run([*run_as(QUOTA), "sbatch", "-p", "scale", "-o", "/dev/null", "--wrap", "true"],
                                capture_output=True, text=True, cwd=home)
         assert extra.returncode != 0 and "limit" in extra.stderr.lower(), (extra.stdout, extra.stderr, "a slurmctld started before AccountingStorageEnforce was set needs a restart")  # SLURM enforces the cap
 

@@ -31,8 +31,8 @@ PAUSED = entrypoint_job(str(ROOT), 0.2)
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """The uninterrupted runs at world size 4 (these tests') and 2 (tests/test_cluster_requeue.py's
-    time-limit test's; tests.runs.local_baseline: each runs once, shared), training while the
-    cluster jobs fail and requeue."""
+    time-limit test's and tests/test_cluster_lost_node.py's; tests.runs.local_baseline: each runs
+    once, shared), training while the cluster jobs fail and requeue."""
     return {world: local_baseline(tmp_path_factory, world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)}
 
 

@@ -94,7 +94,7 @@ def test_lightning_script_requeued_by_usr2_and_preemption_resumes_its_global_ste
     logs = task_logs(run_dir)
     assert f"lightning job: {STEPS} steps over 2 ranks done" in logs  # the script ran to its end, on both nodes
     assert logs.count("saved ") >= 2 and "hpc_ckpt_1.ckpt" in logs and "hpc_ckpt_2.ckpt" in logs
-    assert sorted(p.name for p in (run_dir / "lightning").glob("hpc_ckpt_*")) == ["hpc_ckpt_2.ckpt"]  # the older one removed
+    assert sorted(p.name for p in (run_dir / "lightning").glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]  # the newest two kept
     assert "Restoring states from the checkpoint path" in logs + "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err"))
     print(f"attempts {[(a[0], a[-1]) for a in attempts]}, duration {time.monotonic() - began:.0f} s")
 

@@ -157,3 +157,18 @@ def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> No
     assert batches == 4 * step, (batches, step)  # at an optimizer step's end, not between micro-batches
     logs = "".join(p.read_text() for p in ranks_started(run_dir))
     assert "steps over" not in logs  # fit was left: the script's code after it did not run
+
+
+def test_prune_keeps_the_newest_two_hpc_checkpoints(tmp_path: Path) -> None:
+    """One full checkpoint per requeue would fill the disk; the one before the newest stays as
+    the fallback. Versions are numbers (10 is newer than 9), sharded saves are directories, other
+    files are the script's."""
+    from hpcrun.lightning import prune
+
+    for n in (1, 2, 9, 10):
+        (tmp_path / f"hpc_ckpt_{n}.ckpt").write_text("x")
+    (tmp_path / "hpc_ckpt_3.ckpt").mkdir()
+    (tmp_path / "hpc_ckpt_3.ckpt" / "shard-0").write_text("x")
+    (tmp_path / "last.ckpt").write_text("the script's own")
+    prune(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_10.ckpt", "hpc_ckpt_9.ckpt", "last.ckpt"]

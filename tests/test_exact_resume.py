@@ -57,7 +57,7 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
     then (`kill`) SIGKILLed whole (no chance to save) after a later checkpoint, and resumed to
     the end."""
     rng = random.Random(name)
-    # 4 rank processes on this machine's cores, whatever their number (oversubscribed is slower, not different)
+    # `world` rank processes on this machine's cores, whatever their number (oversubscribed is slower, not different)
     partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00", "cpu_peak_tflops_per_rank": 0.05}
     site = site_copy(tmp_path, partitions={"local": partition})
     resources = {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}  # CPU ranks

@@ -23,7 +23,9 @@ children and requeued all the same (it resumes from its own last save).
 The run's places are in the command's environment: HPCRUN_RUN_DIR, HPCRUN_RUN_ID,
 HPCRUN_CHECKPOINT_DIR (where to save and resume), HPCRUN_METRICS (hpcrun.runtime.reported),
 and PL_TRAINER_DEFAULT_ROOT_DIR (a Lightning Trainer's root, unless the script names its own),
-so that a Lightning run's checkpoints are its own and not its working directory's.
+so that a Lightning run's checkpoints are its own and not its working directory's. Under the
+torchrun launcher TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set) gives the workers hpcrun's grace
+after the stop signal, not torchrun's 30 s.
 """
 
 from __future__ import annotations

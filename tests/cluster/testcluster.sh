@@ -191,10 +191,10 @@ test_users() {
   for user in hpcwatch hpcquota; do
     id "$user" >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin "$user"
   done
-  if [ -z "$(sacctmgr -n -P show assoc where user=hpcquota format=user)" ]; then
-    sacctmgr -i add account quota cluster="$CLUSTER" >/dev/null
-    sacctmgr -i add user hpcquota account=quota maxsubmitjobs=25 >/dev/null
-  fi
+  # each part only where missing (an earlier run may have stopped halfway), the cap set every time
+  [ -n "$(sacctmgr -n -P show account quota format=account)" ] || sacctmgr -i add account quota cluster="$CLUSTER" >/dev/null
+  [ -n "$(sacctmgr -n -P show assoc where user=hpcquota format=user)" ] || sacctmgr -i add user hpcquota account=quota >/dev/null
+  sacctmgr -i modify user hpcquota set maxsubmitjobs=25 >/dev/null || true  # exit 1 when nothing changed
   local dir
   for dir in "$(python3 -c 'import sys; print(sys.base_prefix)')" "$(python3 -c 'import hpcrun, os; print(os.path.dirname(hpcrun.__file__))' 2>/dev/null || true)"; do
     while [ -n "$dir" ] && [ "$dir" != / ]; do
@@ -273,7 +273,7 @@ status() {
     printf '%-10s %s\n' "${d%%|*}" "$(pgrep -x "$d" >/dev/null && echo running || echo stopped)"
   done
   for node in "${NODES[@]}"; do
-    printf '%-10s %s\n' "slurmd/$node" "$(pgrep -f "slurmd -N $node" >/dev/null && echo running || echo stopped)"
+    printf '%-10s %s\n' "slurmd/$node" "$(pgrep -f "^slurmd -N $node\$" >/dev/null && echo running || echo stopped)"
   done
   sinfo -N -o '%N %P %t %c' 2>/dev/null || true
 }
@@ -285,7 +285,17 @@ up() {
   fi
   if scontrol ping >/dev/null 2>&1 && nodes_up 2>/dev/null; then
     # running (maybe busy): only a changed configuration to apply
-    if ! write_config; then log "slurm.conf changed: scontrol reconfigure"; scontrol reconfigure; fi
+    if ! write_config; then
+      if [[ "$(scontrol show config)" != *"AccountingStorageEnforce = associations,limits"* ]]; then
+        # reconfigure shows a new AccountingStorageEnforce but does not apply it (seen; the
+        # slurm.conf manual: a restart is required)
+        log "slurm.conf changed: restarting slurmctld"; scontrol shutdown slurmctld
+        wait_for 30 "slurmctld to exit" bash -c '! pgrep -x slurmctld'
+        start_slurm
+      else
+        log "slurm.conf changed: scontrol reconfigure"; scontrol reconfigure
+      fi
+    fi
     test_users
     log "already up"; status; return
   fi
@@ -301,6 +311,7 @@ up() {
 
 down() {
   scancel --state=all -u root >/dev/null 2>&1 || true
+  scancel --state=all -u hpcquota >/dev/null 2>&1 || true
   # a daemon still exiting holds its port (the next `up` could not start its successor), and a
   # step daemon of a killed job keeps its node "completing": stop them all, then insist
   pkill -x 'slurmd|slurmctld|slurmdbd|slurmstepd' || true
