@@ -130,8 +130,8 @@ class Fault(Frozen):
     """A requeued job avoids nodes that failed during this run, while the partition has enough."""
     straggler_factor: float | None = pydantic.Field(default=2.0, gt=1)
     """A rank whose fixed local work takes more than this many times the other ranks' median, at
-    three metrics flushes in a row, is named slow with its node (status, results `slow_ranks`).
-    None: no check."""
+    three quarters of its latest metrics flushes (at least 3, spanning at least 10 s), is named
+    slow with its node (status, results `slow_ranks`). None: no check."""
     exclude_slow_nodes: bool = False
     """A requeued job also avoids the nodes of ranks named slow, while the partition has enough."""
 

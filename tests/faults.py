@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -129,14 +130,22 @@ def node_state(node: str) -> str:
     return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-p", pool.partition("batch"), "-o", "%t"], capture_output=True, text=True).stdout.strip()
 
 
-def wait_node(node: str, states: tuple[str, ...], timeout: float) -> str:
+def node_flags(node: str) -> set[str]:
+    """The node's state as slurmctld holds it (`scontrol show node`: DOWN+COMPLETING+NOT_RESPONDING
+    -> {"DOWN", "COMPLETING", "NOT_RESPONDING"}): sinfo's short form names one of them, and was
+    seen showing `mix*` for a node slurmctld had set DOWN a minute before."""
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True).stdout
+    found = re.search(r"\bState=(\S+)", out)
+    return set(found[1].split("+")) if found else set()
+
+
+def wait_down(node: str, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        state = node_state(node)
-        if state in states:
-            return state
+        if "DOWN" in node_flags(node):
+            return
         time.sleep(1)
-    raise AssertionError(f"{node} not in {states} after {timeout} s: {node_state(node)!r}")
+    raise AssertionError(f"{node} not DOWN after {timeout} s: {sorted(node_flags(node))} (sinfo: {node_state(node)!r})")
 
 
 def power_on(node: str, timeout: float = 90) -> None:

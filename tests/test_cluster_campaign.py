@@ -1,8 +1,8 @@
 """Scale on the real controller: a 1,200-point sweep on the test cluster's `scale` partition (the
 upper half of an 8-node cluster, `testcluster.sh up --nodes 8`), held by SLURM as job arrays,
-watched by one and then ten `hpcrun status --wait` processes whose RPCs SLURM itself counts
-(per user: the watchers run as the unprivileged `hpcwatch`), partly run, resubmitted (nothing
-new), and cancelled whole; a sweep past a user's MaxSubmitJobs, deferred and finished by later runs.
+watched by ten `hpcrun status --wait` processes whose RPCs SLURM itself counts (per user: the
+watchers run as the unprivileged `hpcwatch`) and which together ask no more than one poller may,
+partly run, resubmitted (nothing new), and cancelled whole; a sweep past a user's MaxSubmitJobs, deferred and finished by later runs.
 
 CI runs this file apart from the other cluster tests, at the same time (they use the lower half)."""
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hpcrun import pollcache
 from tests.helpers import ROOT
 from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy
 from tests.slurmstats import WATCHER, hpcrun_as, rpc_counts, run_as
@@ -31,7 +32,7 @@ from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, wai
 pytestmark = [pytest.mark.cluster, pytest.mark.scale, pytest.mark.slow]
 
 POINTS = 1200  # past MaxArraySize (1001): two arrays
-WATCH_S = 30.0  # each polling phase; ~15 scheduler answers at the 2 s interval
+WATCH_S = 30.0  # the polling phase: at most WATCH_S / POLL_S + 1 scheduler answers
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,15 @@ def base() -> tp.Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def watcher_env(home: Path, cache: str) -> dict[str, str]:
+    """The watcher user's environment: its home, and `cache` for the shared scheduler answers."""
+    return {**os.environ, "HOME": str(home), "HPCRUN_CACHE_DIR": str(home / cache), "PYTHONPATH": str(ROOT)}
+
+
 def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[int, int]:
     """RPCs of `count` concurrent `hpcrun status --wait SWEEP` processes (as the watcher user)
     over WATCH_S seconds, counted once all of them are polling."""
-    env = {**os.environ, "HOME": str(home), "HPCRUN_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(ROOT)}
+    env = watcher_env(home, "cache")
     cmd = [*hpcrun_as(WATCHER), "status", "--site", str(site), "--wait", sweep]
     logs = [home / f"watcher-{count}-{i}.log" for i in range(count)]
     procs = []
@@ -78,6 +84,15 @@ def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[int, int]:
                 p.kill()  # never left polling after the test
                 p.wait()
     assert all(p.returncode == 130 for p in procs), [(p.returncode, log.read_text()[-500:]) for p, log in zip(procs, logs)]
+    return after[0] - before[0], after[1] - before[1]
+
+
+def one_poll(site: Path, sweep: str, home: Path) -> tuple[int, int]:
+    """RPCs of one `hpcrun status SWEEP` (no --wait) with no shared answer to read: what a poll costs."""
+    before = rpc_counts(WATCHER)
+    out = subprocess.run([*hpcrun_as(WATCHER), "status", "--site", str(site), sweep], env=watcher_env(home, "cache-one-poll"), cwd=home, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    after = rpc_counts(WATCHER)
     return after[0] - before[0], after[1] - before[1]
 
 
@@ -123,16 +138,21 @@ def test_a_campaign_on_the_real_controller(base: Path) -> None:
 
 
 def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_dir: Path, arrays: set[str]) -> None:
-    """One and then ten watchers (RPCs by SLURM's counters), a subset run, a second sweep that
-    submits nothing, and one `hpcrun cancel` that leaves nothing queued."""
+    """Ten watchers (RPCs by SLURM's counters), a subset run, a second sweep that submits
+    nothing, and one `hpcrun cancel` that leaves nothing queued."""
     home = base / "watcher"
     home.mkdir()
     shutil.chown(home, WATCHER)
-    one = watchers(site, sweep_dir.name, 1, home)
+    poll = one_poll(site, sweep_dir.name, home)
+    assert poll[1] > 0, "a poll never asked slurmdbd: the count is not of it"
     ten = watchers(site, sweep_dir.name, 10, home)
-    print(f"RPCs over {WATCH_S:.0f} s (slurmctld, slurmdbd): 1 watcher {one}, 10 watchers {ten}")
-    assert one[1] > 0, "the watcher never asked slurmdbd: the count is not of it"
-    assert ten[0] <= 1.2 * max(one[0], 1) and ten[1] <= 1.2 * one[1], (one, ten)
+    # The bound is what ONE poller may ask in the window (never twice within POLL_S), not a
+    # one-watcher phase measured beside it: under load a lone watcher asks less often (a slow
+    # answer defers the next, pollcache.SLOW_FACTOR), and the ratio of two such phases was seen
+    # failing at 9 RPCs against 15. Ten watchers each asking for themselves would make ~10 times this.
+    most = WATCH_S / pollcache.POLL_S + 1
+    print(f"RPCs (slurmctld, slurmdbd): one poll {poll}; 10 watchers over {WATCH_S:.0f} s {ten}, at most {most:.0f} polls' worth")
+    assert ten[0] <= poll[0] * most and ten[1] <= poll[1] * most, (poll, ten)
 
     states = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(sorted(arrays)), "-o", "JobID,State"], capture_output=True, text=True, check=True).stdout
     assert states.count("|COMPLETED") >= 2, states[:2000]  # a subset ran to its end meanwhile

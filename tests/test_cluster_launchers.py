@@ -1,10 +1,11 @@
 """The code people already have, on the real test cluster: an unchanged Lightning script
-(jobs/lightning_train.py, launcher srun, 2 nodes x 1 rank: a Lightning rank costs this CI machine
-~10 s of CPU to start) and a torchrun-style script (jobs/command_train.py, launcher torchrun, 2
-nodes x 2 ranks). Each is sent USR2, then preempted by the
+(jobs/lightning_train.py, launcher srun, 2 nodes x 2 ranks: Lightning's SLURM detection must see
+the ranks of a node as its devices) and a torchrun-style script (jobs/command_train.py, launcher
+torchrun, 2 nodes x 2 ranks). Each is sent USR2, then preempted by the
 higher-priority partition: one requeue each (sacct -D), each attempt resuming from the script's
 own checkpoint (its steps continue), and the job completes. And a Lightning job array whose
-signalled task alone is requeued (1 node x 2 ranks: Lightning's tasks per node)."""
+signalled task alone is requeued (1 node x 1 rank each: what is under test is the array, and
+the 2 x 2 test above covers Lightning's ranks per node)."""
 
 from __future__ import annotations
 
@@ -90,9 +91,9 @@ def interrupt_twice(tmp_path: Path, name: str, job_fields: dict[str, tp.Any], ra
 
 def test_lightning_script_requeued_by_usr2_and_preemption_resumes_its_global_step(tmp_path: Path) -> None:
     began = time.monotonic()
-    run_dir, job, attempts = interrupt_twice(tmp_path, "lightning", lightning_job(nodes=2, devices=1), ranks_per_node=1)
+    run_dir, job, attempts = interrupt_twice(tmp_path, "lightning", lightning_job(nodes=2, devices=2), ranks_per_node=2)
     logs = task_logs(run_dir)
-    assert f"lightning job: {STEPS} steps over 2 ranks done" in logs  # the script ran to its end, on both nodes
+    assert f"lightning job: {STEPS} steps over 4 ranks done" in logs  # the script ran to its end, over both nodes
     assert logs.count("saved ") >= 2 and "hpc_ckpt_1.ckpt" in logs and "hpc_ckpt_2.ckpt" in logs
     assert sorted(p.name for p in (run_dir / "lightning").glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]  # the newest two kept
     assert "Restoring states from the checkpoint path" in logs + "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err"))
@@ -111,13 +112,13 @@ def test_torchrun_script_on_two_nodes_requeued_by_usr2_and_preemption(tmp_path: 
 
 
 def test_lightning_array_requeues_only_the_signalled_task(tmp_path: Path) -> None:
-    """Two sweep points as one job array (1 node x 2 ranks each): USR2 to task 0 requeues task 0
+    """Two sweep points as one job array (1 node x 1 rank each): USR2 to task 0 requeues task 0
     alone (Lightning's own requeue once requeued whole arrays); both complete."""
     began = time.monotonic()
     site = site_copy(tmp_path, "testcluster")
     rec = tmp_path / "points.yaml"
     rec.write_text(json.dumps({
-        "name": "points", "job": lightning_job(nodes=1, devices=2, steps=40), "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"},
+        "name": "points", "job": lightning_job(nodes=1, devices=1, steps=40), "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
         "sweep": {"axes": {"training.seed": [1, 2]}},
     }))
     out = hpcrun("sweep", "--site", str(site), str(rec)).stdout

@@ -32,15 +32,15 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baseline: Path) -> N
     """Every process of the node under a 1-node job, slurmd included, is SIGKILLed: SLURM
     requeues (NODE_FAIL), the job finishes on the other node, state.json and the results name
     the lost node, and after a later requeue (USR2) the job excludes it though it is back."""
-    # 0.8 s per step: >= 48 s per attempt, for the node's loss to be noticed (SlurmdTimeout) and
-    # the resumed attempt to be cut once more
-    run_dir, job = submit(tmp_path, "lost-node", job=entrypoint_job(str(ROOT), 0.8))
+    # 2.4 s per step: >= 72 s per attempt, for the node's loss to be noticed (SlurmdTimeout) and
+    # the resumed attempt to be cut once more after its next checkpoint (>= 24 s of it left)
+    run_dir, job = submit(tmp_path, "lost-node", job=entrypoint_job(str(ROOT), 2.4))
     wait_checkpoint(run_dir)
     _, node = faults.rank_pid(job, 0)
     other = next(n for n in faults.NODES if n != node)
     try:
         faults.power_off(node)
-        faults.wait_node(node, ("down*", "down"), timeout=90)
+        faults.wait_down(node, timeout=90)
         # the resumed attempt runs on the other node; cut it once more (USR2) to see the exclusion
         _, resumed_on = faults.rank_pid(job, 0, timeout=180)
         assert resumed_on == other

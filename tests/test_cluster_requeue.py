@@ -22,9 +22,9 @@ from tests.test_fault_tolerance import checkpoint_after
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # Interrupted jobs are bounded by time, not by this CPU's speed: a pause after every step makes
-# the 60 steps last at least 12 s, so after the first checkpoint (step 10) there are >= 10 s for
+# the 30 steps last at least 12 s, so after the first checkpoint (step 10) there are >= 8 s for
 # a signal or a preemption to land. Baselines run the same training without the pause.
-STEP_DELAY_S = 0.2
+STEP_DELAY_S = 0.4
 PAUSED = entrypoint_job(str(ROOT), STEP_DELAY_S)
 
 
@@ -85,7 +85,7 @@ def test_time_limit_requeues_until_done(shared: Path, baseline_of_two: Path) -> 
     until done; the result equals a run that was never cut. One rank on each of 2 nodes: every
     attempt starts anew, and 4 ranks' start-up on a loaded CI machine ate so much of each
     attempt's 60-90 s that 5 attempts once did not finish."""
-    # with a 1.6 s pause per step, >= 96 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
+    # with a 3.2 s pause per step, >= 96 s of training after ~15 s of start-up: past the 60-90 s where USR2 comes.
     # SLURM signals once the time left is at most the lead, checked every 30 s: with 2 minutes
     # and a 30 s lead, USR2 comes 60-90 s into each attempt (seen here)
     run_dir, job = submit(
@@ -94,7 +94,7 @@ def test_time_limit_requeues_until_done(shared: Path, baseline_of_two: Path) -> 
         # the most requeues a recipe may ask for: under a loaded CI machine an attempt's start-up
         # can eat half of its 60-90 s (seen: the cap of 3 reached once)
         checkpoint={**CHECKPOINT, "signal_lead_s": 30, "max_requeues": 4},
-        job=entrypoint_job(str(ROOT), 1.6),
+        job=entrypoint_job(str(ROOT), 3.2),
         # the baseline's ranks share 2 cores (1 thread each); alone on a namespace node (task/none:
         # every core), a rank would take 2, and a CPU matmul's sums split by thread count differ
         # in the last bit (seen: other weights with OMP_NUM_THREADS=2, same code)
@@ -111,8 +111,9 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     """USR2 mid-way (hpcrun saves and requeues), then, mid-way through the resumed attempt, the
     higher-priority partition takes both nodes (GraceTime 0: USR2 and SIGTERM together; SLURM
     requeues, hpcrun does not requeue twice). One requeue each; the weights of an uninterrupted run."""
-    # 0.6 s per step: >= 36 s of training, time for both interruptions after their checkpoints
-    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 0.6))
+    # 1.6 s per step: >= 48 s of training; the preemption comes after the resumed attempt's first
+    # checkpoint (step 20), with >= 16 s of its training left
+    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 1.6))
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     wait_for(lambda: status(run_dir) == "requeued", what="the USR2 stop", timeout=120)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests import faults
+from tests.delayed_training import entrypoint_job
+from tests.helpers import ROOT
 from tests.runs import baseline_weights, hpcrun, local_baseline, rows, site_copy, state, wait_for
 from tests.test_cluster_faults import CHECKPOINT, TRAINING, submit, wait_checkpoint, wait_done
 
@@ -28,8 +30,10 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
     results row; with `fault.exclude_slow_nodes` the job, requeued (USR2), leaves that node out
     and completes on the other with the weights of an uninterrupted run."""
     fault = {"straggler_factor": 2.0, "exclude_slow_nodes": True}
+    # 0.8 s per step: >= 16 s of training after the first checkpoint, throttled or not, for the
+    # slow rank to be named (slow for PERSISTENT_S) and the job then to be cut while it runs
     run_dir, job = submit(tmp_path, "slow-rank", resources={"gpus_per_node": 2, "time": "00:10:00"},
-                          fault=fault, metrics={"flush_seconds": 0.5})
+                          fault=fault, metrics={"flush_seconds": 0.5}, job=entrypoint_job(str(ROOT), 0.8))
     wait_checkpoint(run_dir)
     pid, node = faults.rank_pid(job, 1)
     other = next(n for n in faults.NODES if n != node)

@@ -1,6 +1,6 @@
 """Exact resume: a run stopped politely and resumed ends with the same weights (sha256 of
-`checkpoint.export_final`) and the same per-step losses as a run never stopped, for DDP, FSDP
-and ZeRO-3 at world size 4, and ZeRO-2 at 2; the DDP run is also killed outright after a later
+`checkpoint.export_final`) and the same per-step losses as a run never stopped, for DDP at world
+size 4 and FSDP, ZeRO-3 and ZeRO-2 at 2; the DDP run is also killed outright after a later
 checkpoint and resumed again. What a kill adds (a resume from an older checkpoint than the last
 step, steps trained twice and their losses recorded once) is hpcrun's, not the strategy's: every
 strategy saves into a step directory hpcrun commits, so one strategy proves it (CI time: a
@@ -9,8 +9,10 @@ strategy saves into a step directory hpcrun commits, so one strategy proves it (
 At 2 ranks a sum of two numbers has one order, so 2-rank tests cannot see a reduction whose order
 changes after a restart; at 4 ranks DDP's default bucketed all-reduce does (its buckets are
 rebuilt after the first iteration, so a resumed run's first step reduces in another layout).
-FSDP and DeepSpeed reduce over flat buffers laid out once; ZeRO-2 (DeepSpeed's stage 1-2
-optimizer, not stage 3's) is resumed at 2 ranks, which proves its save and load."""
+FSDP and DeepSpeed reduce over flat buffers laid out once, the same before and after a restart,
+so 4 ranks would prove nothing more for them than 2 (at twice the CPU: they ran at 4 until CI
+time mattered); ZeRO-2 (DeepSpeed's stage 1-2 optimizer, not stage 3's) proves its own save and
+load."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
     return baseline, run_dir
 
 
-@pytest.mark.parametrize(("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 4, False), ("zero3", 4, False), ("zero2", 2, False)])
+@pytest.mark.parametrize(("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 2, False), ("zero3", 2, False), ("zero2", 2, False)])
 def test_resume_bit_identical(name: str, world: int, kill: bool, tmp_path: Path) -> None:
     started = time.monotonic()
     baseline, run_dir = interrupted(tmp_path, name, STRATEGIES[name], world, kill)

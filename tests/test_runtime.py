@@ -17,7 +17,7 @@ MEASURED = [
 ]
 
 
-# ddp, fsdp, zero2 and zero3 train (and are measured) at 4 ranks in tests/test_exact_resume.py
+# ddp (at 4 ranks), fsdp, zero2 and zero3 (at 2) train and are measured in tests/test_exact_resume.py
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n not in ("ddp", "fsdp", "zero2", "zero3")])
 def test_strategy_trains(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)

@@ -28,7 +28,7 @@ from hpcrun.rundir import RunDir, read_json
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
 from hpcrun.runtime.metrics import peak_memory_bytes
-from hpcrun.runtime.straggler import PERSISTENT, Stragglers, probe
+from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, SLOW_SHARE, Stragglers, probe
 
 if tp.TYPE_CHECKING:
     from hpcrun.runtime.context import Context
@@ -188,7 +188,7 @@ class StepRecorder:
         if not new:
             return
         for s in new:
-            self.ctx.info(f"slow rank: {s.describe()}, {PERSISTENT} probes in a row over fault.straggler_factor {self.stragglers.factor}")
+            self.ctx.info(f"slow rank: {s.describe()}, over fault.straggler_factor {self.stragglers.factor} in {SLOW_SHARE:.0%}+ of {PERSISTENT}+ probes over {PERSISTENT_S:.0f}+ s")
         found = {f"rank {s.rank} on {s.node}": round(s.ratio, 2) for s in new}
         nodes = sorted({s.node for s in new})
         spec, run_dir = self.ctx.spec, RunDir(self.ctx.spec.run_dir)

@@ -6,8 +6,17 @@ spread of per-rank step times in the steps table cannot name a straggler. Instea
 metrics flush (a point all ranks reach together) each rank times the same fixed amount of local
 work on its own device, no collective inside (`probe`), and the times travel to rank 0 in the
 flush's all_gather. A rank whose time is more than `fault.straggler_factor` times the median of
-the other ranks' in PERSISTENT flushes in a row is named: its node is slow (a throttled GPU or CPU,
-a noisy neighbour), whichever part of the step it slows. A single slow check is noise, not a node.
+the other ranks' is slow at that check; a rank slow in at least SLOW_SHARE of its latest checks,
+at least PERSISTENT of them over at least PERSISTENT_S seconds, is named: its node is slow (a
+throttled GPU or CPU, a noisy neighbour), whichever part of the step it slows.
+
+Why a share over a span, not a streak: a single slow check is noise, not a node, and so are a
+few in a row when flushes come every second (a loaded machine's scheduler can delay one rank's
+few milliseconds of probe several times running: seen naming an unthrottled rank on an
+overloaded CI machine). But a really slow rank is not slow at every check either (a throttled
+CPU's quota, a peer's probe delayed by the same load): a streak that one fast check resets was
+seen never to name it over 40 s of flushes. At the default 30 s flushes the window is the last 3
+checks, all of them slow: three in a row, as before.
 
 What it costs: one probe per flush (default every 30 s or 100 steps): milliseconds.
 """
@@ -21,7 +30,9 @@ import time
 
 import torch
 
-PERSISTENT = 3  # flushes in a row a rank must be slow in before it is named
+PERSISTENT = 3  # the fewest checks a verdict rests on
+PERSISTENT_S = 10.0  # the shortest span of checks a verdict rests on (at 30 s flushes, 3 checks span longer)
+SLOW_SHARE = 0.75  # the share of those checks a rank must be slow in (of 3: all of them)
 CPU_SIZE, CPU_ROUNDS = 192, 24  # ~5 ms on one core
 GPU_SIZE, GPU_ROUNDS = 2048, 8  # 0.14 TFLOP: ~3 ms on an H100 in fp32 (not measured: no device lent); 3 x 16 MiB
 
@@ -60,24 +71,41 @@ class Stragglers:
 
     def __init__(self, factor: float, nodes: list[str]) -> None:
         self.factor, self.nodes = factor, nodes
-        self.streak = [0] * len(nodes)
+        # per rank, its checks as (time.monotonic(), ratio), the newest last: as far back as a
+        # verdict needs, no further
+        self.history: list[list[tuple[float, float]]] = [[] for _ in nodes]
         self.named: dict[int, Straggler] = {}  # rank -> its latest verdict
 
-    def check(self, seconds: list[float]) -> list[Straggler]:
-        """The ranks named slow for the first time by these probe times."""
+    def check(self, seconds: list[float], now: float | None = None) -> list[Straggler]:
+        """The ranks named slow for the first time by these probe times (taken at `now`)."""
+        now = time.monotonic() if now is None else now
         new = []
         for rank, mine in enumerate(seconds):
             others = [t for t in seconds[:rank] + seconds[rank + 1:] if not math.isnan(t)]
             if not others or math.isnan(mine):
-                continue  # no verdict this time (a probe without memory): the streak stands
-            ratio = mine / statistics.median(others)
-            self.streak[rank] = self.streak[rank] + 1 if ratio > self.factor else 0
-            if self.streak[rank] >= PERSISTENT:
-                found = Straggler(rank, self.nodes[rank], ratio)
+                continue  # no check this time (a probe without memory)
+            history = self.history[rank]
+            history.append((now, mine / statistics.median(others)))
+            window = self._window(history, now)
+            if window is None:
+                continue  # too few checks, or too short a span, for a verdict
+            del history[: len(history) - len(window)]
+            ratios = [ratio for _, ratio in window]
+            if sum(ratio > self.factor for ratio in ratios) >= SLOW_SHARE * len(ratios):
+                found = Straggler(rank, self.nodes[rank], statistics.median(ratios))
                 if rank not in self.named:
                     new.append(found)
                 self.named[rank] = found
         return new
+
+    @staticmethod
+    def _window(history: list[tuple[float, float]], now: float) -> list[tuple[float, float]] | None:
+        """The latest checks a verdict rests on: back from the newest until there are PERSISTENT of
+        them spanning PERSISTENT_S; None while the history is shorter."""
+        for start in range(len(history) - 1, -1, -1):
+            if len(history) - start >= PERSISTENT and now - history[start][0] >= PERSISTENT_S:
+                return history[start:]
+        return None
 
     def describe(self) -> str | None:
         """The attempt's named ranks on one line (the results row's `slow_ranks`), or None."""

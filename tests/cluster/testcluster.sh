@@ -2,6 +2,7 @@
 # A real SLURM cluster on this machine, for hpcrun's integration tests.
 #
 #   tests/cluster/testcluster.sh up [--nodes N]   install (Debian packages) and start everything; idempotent
+#   tests/cluster/testcluster.sh install          only the Debian packages (.ci/run: beside pip's installs)
 #   tests/cluster/testcluster.sh status           daemons, nodes and partitions
 #   tests/cluster/testcluster.sh down             stop the daemons and remove the namespaces
 #
@@ -119,13 +120,14 @@ MinJobAge=600
 InactiveLimit=0
 MaxArraySize=1001
 # past every job slurmdbd already holds (start_slurm): a slurmctld killed before it saved its
-# state would hand out ids again, and `sacct -j ID` would mix two jobs' records
+# state would hand out ids again, and sacct -j ID would mix two jobs' records (no backticks in
+# this heredoc: the shell would run them)
 FirstJobId=$(cat "$ETC/first-job-id" 2>/dev/null || echo 1)
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 AccountingStorageType=accounting_storage/slurmdbd
-# association limits are enforced, as on shared clusters: `hpcquota` may hold 25 jobs (array
+# association limits are enforced, as on shared clusters: user hpcquota may hold 25 jobs (array
 # tasks count one each), and a sweep past that is refused by slurmctld, not only by hpcrun
 AccountingStorageEnforce=limits
 # the bridge address, not localhost: jobs on the nodes (their own network namespaces) ask sacct too
@@ -349,7 +351,8 @@ for ((n = 1; n <= count; n++)); do NODES+=("node$n"); done
 
 case "$command" in
   up) up ;;
+  install) install_packages ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up [--nodes N]|down|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up [--nodes N]|install|down|status" >&2; exit 2 ;;
 esac
