@@ -77,11 +77,12 @@ CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
 
 
 @contextlib.contextmanager
-def throttled(pid: int, share: float = 0.1) -> tp.Iterator[None]:
+def throttled(pid: int, share: float) -> tp.Iterator[None]:
     """A slow node, for real: the kernel lets process `pid` (every thread) run only `share` of
-    one CPU, in 10 ms periods (a CFS bandwidth cgroup, like a throttled or oversold machine).
+    one CPU, in 20 ms periods (a CFS bandwidth cgroup, like a throttled or oversold machine; the
+    quota is at least the kernel's 1 ms, so a share of 0.05 at the least).
     The cgroup goes when the block ends (its processes back to the root group)."""
-    period = 10_000
+    period = 20_000
     quota = str(max(1000, int(share * period)))
     if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
         group = CGROUP_V1 / f"hpcrun-slow-{pid}"

@@ -25,7 +25,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path) -> None:
-    """Rank 1 of a 1-node x 2-rank job is throttled by the kernel to a tenth of a CPU (a slow
+    """Rank 1 of a 1-node x 2-rank job is throttled by the kernel to a twentieth of a CPU (a slow
     node, for real): it is named with its node in state.json, `hpcrun status` and the attempt's
     results row; with `fault.exclude_slow_nodes` the job, requeued (USR2), leaves that node out
     and completes on the other with the weights of an uninterrupted run."""
@@ -42,7 +42,10 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
         slow = state(run_dir).get("slow_ranks") if (run_dir / "state.json").exists() else None
         return bool(slow)
 
-    with faults.throttled(pid, 0.1):
+    # a twentieth, not a tenth: on a CI machine loaded ~6 runnable processes per core, an
+    # unthrottled rank's probe took a fifth of a CPU's time, and a tenth was then not 2x slower
+    # (measured: a twentieth was 2.3x or more at that load, 3.5x at half of it)
+    with faults.throttled(pid, 0.05):
         wait_for(named, timeout=40, what="the slow rank's record")
     assert list(state(run_dir)["slow_ranks"]) == [f"rank 1 on {node}"], state(run_dir)
     assert state(run_dir)["excluded_nodes"] == [node], state(run_dir)

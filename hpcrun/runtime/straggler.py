@@ -18,7 +18,14 @@ CPU's quota, a peer's probe delayed by the same load): a streak that one fast ch
 seen never to name it over 40 s of flushes. At the default 30 s flushes the window is the last 3
 checks, all of them slow: three in a row, as before.
 
-What it costs: one probe per flush (default every 30 s or 100 steps): milliseconds.
+Why 40 ms of work on a CPU, not a few: the kernel enforces a CPU quota (a cgroup's, a
+container's) at scheduler ticks, 4 ms apart at HZ=250, and a process that slept may overrun its
+quota by a tick and repay it afterwards. A 5 ms probe on a process held to a tenth of a CPU took
+4 to 70 ms (often as fast as an unthrottled one: seen never naming it under load); a 40 ms probe
+took 300 to 400 ms every time, 3x or more an unthrottled one's on the same busy machine.
+
+What it costs: one probe per flush (default every 30 s or 100 steps): ~40 ms of CPU, a few ms of
+GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 PERSISTENT = 3  # the fewest checks a verdict rests on
 PERSISTENT_S = 10.0  # the shortest span of checks a verdict rests on (at 30 s flushes, 3 checks span longer)
 SLOW_SHARE = 0.75  # the share of those checks a rank must be slow in (of 3: all of them)
-CPU_SIZE, CPU_ROUNDS = 192, 24  # ~5 ms on one core
+CPU_SIZE, CPU_ROUNDS = 192, 192  # ~40 ms on one core (measured 30-40 ms here): see the docstring
 GPU_SIZE, GPU_ROUNDS = 2048, 8  # 0.14 TFLOP: ~3 ms on an H100 in fp32 (not measured: no device lent); 3 x 16 MiB
 
 
