@@ -12,7 +12,7 @@ import dataclasses
 import typing as tp
 from pathlib import Path
 
-from hpcrun import backend, render, slurm
+from hpcrun import backend, quota, render
 from hpcrun.errors import HpcrunError
 from hpcrun.ledger import Ledger
 from hpcrun.memory import misfit
@@ -24,9 +24,6 @@ from hpcrun.status import statuses, wait
 from hpcrun.sweep import describe, expand, point_id, sweep_id
 
 FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-# without an accounting storage plugin there are no association limits such as MaxSubmitJobs
-NO_ACCOUNTING = "accounting_storage plugin"
-MAX_ARRAY_SIZE = 1001  # SLURM's default, used when the controller is not asked (dry run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +84,7 @@ class Outcome:
     arrays: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)  # (array spec, points)
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, reason)
     deferred: list[str] = dataclasses.field(default_factory=list)
+    cap: str | None = None  # the job cap SLURM applies (hpcrun.quota), when one does
     already: int = 0
     scripts: list[str] = dataclasses.field(default_factory=list)
 
@@ -140,8 +138,12 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
                 ledger.save()
                 wait([Path(spec.run_dir)])
         else:
-            chunks, deferred = arrays(specs, *(limits(site.account) if not dry_run else (MAX_ARRAY_SIZE, None)))
+            size, cap = quota.MAX_ARRAY_SIZE, None
+            if specs and not dry_run:
+                size, cap = quota.max_array_size(), quota.submit_cap(site.account, site.qos, sorted({s.partition for s in specs}))
+            chunks, deferred = arrays(specs, size, cap.headroom if cap else None)
             outcome.deferred = [by_run[s.run_id].label for s in deferred]
+            outcome.cap = cap.describe() if cap else None
             for chunk in chunks:
                 spec_text = f"0-{len(chunk) - 1}" + (f"%{limit}" if limit else "")
                 outcome.arrays.append((spec_text, [by_run[s.run_id].label for s in chunk]))
@@ -157,30 +159,3 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
         if not dry_run:
             ledger.save()
     return outcome
-
-
-def limits(account: str | None = None) -> tuple[int, int | None]:
-    """(MaxArraySize, jobs the user may still submit under MaxSubmitJobs, or None if unlimited):
-    the association of `account` (the site's), or the smallest cap of the user's associations
-    when the site names none (jobs go to the default account, which is one of them).
-    A SLURM tool that is missing, fails or hangs is one line: guessing a limit could submit an
-    array the controller refuses halfway through a sweep."""
-    config = _ask(["scontrol", "show", "config"], "read MaxArraySize")
-    size = next((int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"), MAX_ARRAY_SIZE)
-    user = slurm.user()
-    where = [f"user={user}", *([f"account={account}"] if account else [])]
-    assoc = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=MaxSubmit"], "read MaxSubmitJobs", NO_ACCOUNTING)
-    caps = [int(x) for x in assoc.split() if x.strip().isdigit()]
-    if not caps:
-        return size, None
-    queued = _ask(["squeue", "-h", "-r", "-u", user, "-o", "%i"], "count queued jobs").split()
-    return size, max(0, min(caps) - len(queued))
-
-
-def _ask(cmd: list[str], why: str, empty_when: str | None = None) -> str:
-    out = slurm.run(cmd)
-    if out.returncode != 0 and empty_when and empty_when in (out.stderr + out.stdout).lower():
-        return ""
-    if out.returncode != 0:
-        raise HpcrunError(f"{cmd[0]} failed ({why} for the sweep): {out.stderr.strip() or out.stdout.strip() or f'exit status {out.returncode}'}")
-    return out.stdout

@@ -2,13 +2,15 @@
 upper half of an 8-node cluster, `testcluster.sh up --nodes 8`), held by SLURM as job arrays,
 watched by ten `hpcrun status --wait` processes whose RPCs SLURM itself counts (per user: the
 watchers run as the unprivileged `hpcwatch`) and which together ask no more than one poller may,
-partly run, resubmitted (nothing new), and cancelled whole; a sweep past a user's MaxSubmitJobs, deferred and finished by later runs.
+partly run, resubmitted (nothing new), and cancelled whole; a sweep past a user's MaxSubmitJobs,
+deferred and finished by later runs; a QOS's per-user cap taken before the association's.
 
 CI runs this file apart from the other cluster tests, at the same time (they use the lower half)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -102,10 +104,10 @@ def held_tasks(arrays: set[str]) -> collections.Counter[str]:
     return collections.Counter(out.split())
 
 
-def scale_site(base: Path) -> Path:
+def scale_site(base: Path, **changes: tp.Any) -> Path:
     return site_copy(base, "testcluster", default_partition="scale", partitions={
         "scale": {"max_nodes": 4, "gpus_per_node": 0, "cpus_per_node": 2, "memory_gb": 3.9, "max_time": "01:00:00"},
-    })
+    }, **changes)
 
 
 def test_a_campaign_on_the_real_controller(base: Path) -> None:
@@ -182,30 +184,46 @@ def queued(user: str) -> list[str]:
     return subprocess.run(["squeue", "-h", "-r", "-u", user, "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
 
 
+@contextlib.contextmanager
+def quota_jobs_queue_only() -> tp.Iterator[None]:
+    """None of QUOTA's jobs starts and leaves the queue while a test counts them (the scale
+    partition queues, never runs), and none is left before or after."""
+    subprocess.run(["scontrol", "update", "PartitionName=scale", "State=DOWN"], check=True)
+    try:
+        subprocess.run(["scancel", "-u", QUOTA], check=True)  # what a run of these tests killed halfway left
+        wait = time.time() + 60
+        while queued(QUOTA):
+            assert time.time() < wait, f"{QUOTA}'s earlier jobs still queued: {queued(QUOTA)}"
+            time.sleep(1)
+        yield
+    finally:
+        subprocess.run(["scancel", "-u", QUOTA], capture_output=True)
+        subprocess.run(["scontrol", "update", "PartitionName=scale", "State=UP"], check=True)
+
+
+def quota_sweep(home: Path, name: str, points: int, **site_changes: tp.Any) -> tuple[Path, Path]:
+    """(site, recipe) in `home`, a directory of QUOTA's: a sweep of `points` jobs that sleep."""
+    home.mkdir()
+    shutil.chown(home, QUOTA)
+    rec = home / f"{name}.yaml"
+    rec.write_text(yaml.safe_dump({
+        "name": name, "job": {"kind": "command", "command": ["sleep", "300"]},
+        "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
+        "sweep": {"axes": {"training.seed": list(range(points))}},
+    }))
+    return scale_site(home, **site_changes), rec
+
+
 def test_a_sweep_past_max_submit_jobs_is_deferred_then_submitted(base: Path) -> None:
     """A 30-point sweep by a user SLURM lets hold 25 jobs: hpcrun submits 25 and defers 5 (one
     more job is refused by slurmctld: the cap is real), a second run with no headroom submits
     nothing, and once 5 of them have left the queue the next run submits the 5 deferred."""
     home = base / "quota"
-    home.mkdir()
-    shutil.chown(home, QUOTA)
-    site = scale_site(home)
-    rec = home / "quota.yaml"
-    rec.write_text(yaml.safe_dump({
-        "name": "quota", "job": {"kind": "command", "command": ["sleep", "300"]},
-        "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
-        "sweep": {"axes": {"training.seed": list(range(CAP + 5))}},
-    }))
-    # none may start and leave the queue while the test counts: the partition queues, never runs
-    subprocess.run(["scontrol", "update", "PartitionName=scale", "State=DOWN"], check=True)
-    try:
-        subprocess.run(["scancel", "-u", QUOTA], check=True)  # what a run of this test killed halfway left
-        wait = time.time() + 60
-        while queued(QUOTA):
-            assert time.time() < wait, f"{QUOTA}'s earlier jobs still queued: {queued(QUOTA)}"
-            time.sleep(1)
+    site, rec = quota_sweep(home, "quota", CAP + 5)
+    with quota_jobs_queue_only():
         first = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
         assert f"submitted {CAP} point(s); 0 already submitted" in first and first.count("  deferred ") == 5, first
+        assert f"no room under association {QUOTA}/quota's MaxSubmitJobs ({CAP}; 0 held)" in first, first
         sweep_dir = next((home / "runs" / "sweeps").iterdir())
         jobs = sorted(e["job_id"] for e in json.loads((sweep_dir / "ledger.json").read_text())["points"].values())
         assert sorted(queued(QUOTA)) == jobs and len(jobs) == CAP
@@ -231,9 +249,30 @@ def test_a_sweep_past_max_submit_jobs_is_deferred_then_submitted(base: Path) -> 
         while queued(QUOTA):
             assert time.time() < wait, f"still queued after hpcrun cancel: {queued(QUOTA)}"
             time.sleep(1)
-    finally:
-        subprocess.run(["scancel", "-u", QUOTA], capture_output=True)
-        subprocess.run(["scontrol", "update", "PartitionName=scale", "State=UP"], check=True)
+
+
+def test_a_qos_cap_binds_before_the_association(base: Path) -> None:
+    """SLURM takes MaxSubmitJobs from the job's QOS before the association (QUOTA's holds 25):
+    in QOS `capped` (10 per user) a 12-point sweep submits 10 and defers 2, and SLURM refuses an
+    11th job in it; in QOS `wide` (30 per user) a 28-point sweep submits all 28, past the
+    association's 25 (tests/cluster/testcluster.sh makes both QOS)."""
+    with quota_jobs_queue_only():
+        home = base / "qos-capped"
+        site, rec = quota_sweep(home, "capped", 12, qos="capped")
+        out = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
+        assert "submitted 10 point(s); 0 already submitted" in out and out.count("  deferred ") == 2, out
+        assert "no room under QOS capped's MaxSubmitJobsPerUser (10; 0 held)" in out, out
+        held = subprocess.run(["squeue", "-h", "-r", "-u", QUOTA, "-o", "%q"], capture_output=True, text=True, check=True).stdout.split()
+        assert held == ["capped"] * 10, held
+        extra = subprocess.run([*run_as(QUOTA), "sbatch", "-p", "scale", "--qos", "capped", "-o", "/dev/null", "--wrap", "true"],
+                               capture_output=True, text=True, cwd=home)
+        assert extra.returncode != 0 and "QOSMaxSubmitJobPerUserLimit" in extra.stderr, (extra.stdout, extra.stderr)  # SLURM's cap, real
+
+        home = base / "qos-wide"
+        site, rec = quota_sweep(home, "wide", CAP + 3, qos="wide")
+        out = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
+        assert f"submitted {CAP + 3} point(s); 0 already submitted" in out and "  deferred " not in out, out
+        assert len(queued(QUOTA)) == 10 + CAP + 3
 
 
 def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

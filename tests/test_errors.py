@@ -226,13 +226,16 @@ def test_relative_storage_paths_resolve_against_the_site_file(tmp_path: Path, mo
 # --- the real controller answers the sweep's limit queries (a wrong sacctmgr argument is an error) --
 @pytest.mark.cluster
 def test_sweep_limits_from_the_real_cluster() -> None:
-    from hpcrun.campaign import limits
+    from hpcrun import quota
 
     config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
     expected = next(int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize")
-    size, headroom = limits()
-    assert size == expected
-    assert headroom is None  # the test cluster sets no MaxSubmitJobs
+    assert quota.max_array_size() == expected
+    # root's association sets no MaxSubmitJobs and its default QOS (normal) no per-user cap
+    assert quota.submit_cap(None, None, ["batch"]) is None
+    # QOS capped (tests/cluster/testcluster.sh) holds 10 jobs per user, whoever asks
+    cap = quota.submit_cap(None, "capped", ["batch"])
+    assert cap is not None and (cap.where, cap.cap) == ("QOS capped's MaxSubmitJobsPerUser", 10), cap
 
 
 def test_status_with_a_failing_squeue_is_one_line(bare_path: Path, tmp_path: Path) -> None:

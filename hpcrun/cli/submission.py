@@ -127,7 +127,7 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
     for array, labels in out.arrays:
         click.echo(f"  array {array}: " + "; ".join(labels))
     for label in out.deferred:
-        click.echo(f"  deferred {label}: no MaxSubmitJobs headroom now; run hpcrun sweep again later")
+        click.echo(f"  deferred {label}: no room under {out.cap} now; run hpcrun sweep again later")
     if dry_run:
         for script in out.scripts:
             click.echo("#" * 72 + "\n" + script, nl=False)

@@ -16,7 +16,7 @@
 # on node[1-2]; pool k is `batchk`/`urgentk` on the next two nodes. `all` spans every node; from
 # 8 nodes, `scale` spans the upper half (the scale tests', tests/test_cluster_campaign.py). A user
 # `hpcwatch` runs the polling test's watchers (SLURM counts RPCs per user); `hpcquota` may hold 25 jobs
-# (MaxSubmitJobs, enforced: the sweep-deferral test).
+# (MaxSubmitJobs, enforced: the sweep-deferral test; 10 in QOS capped, 30 in QOS wide).
 # N defaults to 2 (one pool), or to the node count of a cluster already up.
 # Needs root. See shared notes/slurm-testbed.md for why each setting is here.
 set -euo pipefail
@@ -197,6 +197,15 @@ test_users() {
   [ -n "$(sacctmgr -n -P show account quota format=account)" ] || sacctmgr -i add account quota cluster="$CLUSTER" >/dev/null
   [ -n "$(sacctmgr -n -P show assoc where user=hpcquota format=user)" ] || sacctmgr -i add user hpcquota account=quota >/dev/null
   sacctmgr -i modify user hpcquota set maxsubmitjobs=25 >/dev/null || true  # exit 1 when nothing changed
+  # two QOS hpcquota may use, whose per-user caps SLURM applies before the association's 25:
+  # `capped` holds 10 jobs, `wide` 30 (the QOS test of tests/test_cluster_campaign.py)
+  local qos cap
+  for qos in capped:10 wide:30; do
+    cap=${qos#*:} qos=${qos%:*}
+    [ -n "$(sacctmgr -n -P show qos "$qos" format=name)" ] || sacctmgr -i add qos "$qos" >/dev/null
+    sacctmgr -i modify qos "$qos" set maxsubmitjobsperuser="$cap" >/dev/null || true
+  done
+  sacctmgr -i modify user hpcquota set qos+=capped,wide >/dev/null || true
   local dir
   for dir in "$(python3 -c 'import sys; print(sys.base_prefix)')" "$(python3 -c 'import hpcrun, os; print(os.path.dirname(hpcrun.__file__))' 2>/dev/null || true)"; do
     while [ -n "$dir" ] && [ "$dir" != / ]; do
