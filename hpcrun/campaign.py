@@ -56,8 +56,9 @@ def points(site: Site, recipe_file: RecipeFile, sid: str) -> list[Point]:
 def arrays(
     specs: list[RunSpec], max_array_size: int, headroom: int | None, key: tp.Callable[[RunSpec], str] = render.array_key
 ) -> tuple[list[list[RunSpec]], list[RunSpec]]:
-    """(chunks to submit as arrays, points deferred for lack of MaxSubmitJobs headroom): points
-    grouped by the script they render to (`key`), each group split to stay under MaxArraySize."""
+    """(chunks to submit as arrays, points deferred for lack of room under the submit cap,
+    hpcrun.quota): points grouped by the script they render to (`key`), each group split to stay
+    under MaxArraySize."""
     groups: dict[str, list[RunSpec]] = {}
     for spec in specs:
         groups.setdefault(key(spec), []).append(spec)
@@ -140,7 +141,7 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
         else:
             size, cap = quota.MAX_ARRAY_SIZE, None
             if specs and not dry_run:
-                size, cap = quota.max_array_size(), quota.submit_cap(site.account, site.qos, sorted({s.partition for s in specs}))
+                size, cap = quota.limits(site.account, site.qos, sorted({s.partition for s in specs}))
             chunks, deferred = arrays(specs, size, cap.headroom if cap else None)
             outcome.deferred = [by_run[s.run_id].label for s in deferred]
             outcome.cap = cap.describe() if cap else None

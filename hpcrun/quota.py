@@ -1,37 +1,40 @@
 """What SLURM accepts from this user now: the largest array (MaxArraySize) and how many more jobs
-(MaxSubmitJobs) before the controller refuses one. A sweep submits within both, so that no
+before the controller refuses one (the submit caps). A sweep submits within both, so that no
 array is refused halfway through it; the rest is deferred to a later `hpcrun sweep`.
 
-Where the job cap comes from: SLURM takes each limit from the first place in this order that
-sets it (https://slurm.schedmd.com/resource_limits.html): the partition's QOS, the job's QOS
-(these two swapped when the job's QOS has the OverPartQOS flag), the user's association (with
-what it inherits from its account). So it is not the smallest of them: on the test cluster a
-user whose association holds 25 jobs submitted a 28-task array in a QOS whose
-MaxSubmitJobsPerUser is 30, and was then refused one job in the default QOS (the association's
-25 count every job the user holds). What counts against a cap: for the association's, the jobs
-the user holds in that account; for a QOS's, the user's jobs in that QOS (for a partition's
-QOS, in the partitions that have it); an array task counts as one job.
+Where a cap comes from: SLURM takes each limit from the first place in this order that sets it
+(https://slurm.schedmd.com/resource_limits.html; acct_policy.c): the partition's QOS, the job's
+QOS (these two swapped when the job's QOS has the OverPartQOS flag), then the association (with
+what it inherits from its account), which is skipped once a QOS sets a per-user or per-account
+submit cap. So it is not the smallest of them: on the test cluster a user whose association
+holds 25 jobs submitted a 28-task array in a QOS whose MaxSubmitJobsPerUser is 30, and was then
+refused one job in the default QOS (the association's 25 count every job of that account).
+
+What counts against a cap: a job is charged to its own QOS and to its partition's QOS (once when
+they are the same); a QOS's per-user cap counts the user's jobs charged to it, its per-account
+cap the account's (every user's), the association's cap the user's jobs in that account. An
+array task counts as one job. Group caps (GrpSubmitJobs) are not read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing as tp
 
 from hpcrun import slurm
 from hpcrun.errors import HpcrunError
 
-# without an accounting storage plugin there are no association or QOS limits
-NO_ACCOUNTING = "accounting_storage plugin"
+# sacctmgr's answer when the controller keeps no accounting: no association or QOS caps then
+NO_ACCOUNTING_STORAGE = "accounting_storage plugin"
 MAX_ARRAY_SIZE = 1001  # SLURM's default, used when the controller is not asked (dry run)
 # the QOS SLURM gives a job that names none, when its association names no default and allows
 # several (seen: an association allowing capped, normal and wide, no default: `normal`)
 FALLBACK_QOS = "normal"
-OVER_PART_QOS = "OverPartQOS"
 
 
 @dataclasses.dataclass(frozen=True)
 class SubmitCap:
-    """The cap SLURM applies to the sweep's jobs, and how many jobs already count against it."""
+    """A cap SLURM applies to the sweep's jobs, and how many jobs already count against it."""
 
     where: str  # e.g. "QOS capped's MaxSubmitJobsPerUser"
     cap: int
@@ -45,74 +48,130 @@ class SubmitCap:
         return f"{self.where} ({self.cap}; {self.held} held)"
 
 
-@dataclasses.dataclass(frozen=True)
-class Held:
-    """One job (an array task) the user holds: pending, running or suspended."""
+class Assoc(tp.NamedTuple):
+    account: str
+    partition: str  # "" where the association holds for every partition
+    max_submit: int | None
+    default_qos: str
+    allowed_qos: tuple[str, ...]
 
+
+class Qos(tp.NamedTuple):
+    per_user: int | None  # MaxSubmitJobsPerUser
+    per_account: int | None  # MaxSubmitJobsPerAccount
+    over_part_qos: bool
+
+
+class Held(tp.NamedTuple):
+    """A job (an array task) held by SLURM: pending, running or suspended."""
+
+    user: str
     account: str
     qos: str
     partitions: tuple[str, ...]  # a pending job may name several
 
 
-def max_array_size() -> int:
-    config = _ask(["scontrol", "show", "config"], "read MaxArraySize")
-    return next((int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"), MAX_ARRAY_SIZE)
-
-
-def submit_cap(account: str | None, qos: str | None, partitions: list[str]) -> SubmitCap | None:
-    """The cap on jobs the user may hold that binds first for jobs submitted with `account` and
-    `qos` (the site's; None: SLURM's defaults) to `partitions`, or None if none applies. With no
-    account named, every association of the user is considered and the tightest taken (jobs go
-    to the default account, which is one of them). A SLURM tool that is missing, fails or hangs
-    is one line: guessing a cap could submit an array the controller refuses."""
+def limits(account: str | None, qos: str | None, partitions: list[str]) -> tuple[int, SubmitCap | None]:
+    """(MaxArraySize, the tightest submit cap SLURM applies to jobs submitted with `account` and
+    `qos` (the site's; None: SLURM's defaults) to `partitions`, or None if none does). With no
+    account named, every association of the user is considered (jobs go to the default account,
+    which is one of them). A SLURM tool that is missing, fails or hangs, or answers what this
+    cannot read, is one line: guessing a cap could submit an array the controller refuses."""
+    config = dict(_pairs(_ask(["scontrol", "show", "config"], "read MaxArraySize")))
+    size = int(config.get("MaxArraySize", MAX_ARRAY_SIZE))
     user = slurm.user()
-    where = [f"user={user}", *([f"account={account}"] if account else [])]
-    rows = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=Account,MaxSubmit,DefaultQOS,QOS"], "read MaxSubmitJobs", NO_ACCOUNTING)
-    assocs = [line.split("|") for line in rows.splitlines() if line.count("|") == 3]
+    assocs = _associations(user, account, config.get("ClusterName"))
     if not assocs:
-        return None  # no accounting, or no association the controller would check
-    qos_rows = _ask(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,Flags"], "read MaxSubmitJobsPerUser")
-    qos_caps = {name: (int(cap) if cap.isdigit() else None, flags) for name, cap, flags in (line.split("|") for line in qos_rows.splitlines() if line.count("|") == 2)}
+        return size, None  # no accounting, or no association the controller would check
+    qos_table = _qos_table()
     part_qos = _partition_qos()
-    held = _held(user)
+    held = _held(["-u", user])
+    account_held: dict[str, list[Held]] = {}  # asked only where a per-account cap applies
     caps: list[SubmitCap] = []
-    for assoc_account, max_submit, default_qos, allowed in assocs:
-        allowed_qos = [q for q in allowed.split(",") if q]
-        job_qos = qos or default_qos or (allowed_qos[0] if len(allowed_qos) == 1 else FALLBACK_QOS)
-        job_level = (job_qos, f"QOS {job_qos}'s MaxSubmitJobsPerUser", [h for h in held if h.qos == job_qos])
-        for partition in partitions:
-            levels = [job_level]
-            pq = part_qos.get(partition)
-            if pq:
-                part_level = (pq, f"partition {partition}'s QOS {pq}'s MaxSubmitJobsPerUser", [h for h in held if any(part_qos.get(p) == pq for p in h.partitions)])
-                over = OVER_PART_QOS.lower() in qos_caps.get(job_qos, (None, ""))[1].lower()
-                levels = [job_level, part_level] if over else [part_level, job_level]
-            for name, label, counted in levels:
-                cap = qos_caps.get(name, (None, ""))[0]
-                if cap is not None:
-                    caps.append(SubmitCap(label, cap, len(counted)))
-                    break
-            else:
-                if max_submit.isdigit():
-                    counted = [h for h in held if h.account == assoc_account]
-                    caps.append(SubmitCap(f"association {user}/{assoc_account}'s MaxSubmitJobs", int(max_submit), len(counted)))
-    return min(caps, key=lambda c: c.headroom) if caps else None
+    for partition in partitions:
+        # an association for this partition, else the account's for every partition
+        rows = [a for a in assocs if a.partition == partition] or [a for a in assocs if not a.partition]
+        for assoc in rows:
+            job_qos = (qos or assoc.default_qos or (assoc.allowed_qos[0] if len(assoc.allowed_qos) == 1 else FALLBACK_QOS)).lower()
+            order = [q for q in (part_qos.get(partition), job_qos) if q]
+            if len(order) == 2 and qos_table.get(job_qos, Qos(None, None, False)).over_part_qos:
+                order.reverse()
+            per_user = next((q for q in order if q in qos_table and qos_table[q].per_user is not None), None)
+            per_account = next((q for q in order if q in qos_table and qos_table[q].per_account is not None), None)
+            if per_user:
+                counted = _charged(per_user, held, part_qos)
+                caps.append(SubmitCap(_label(per_user, partition, part_qos, "MaxSubmitJobsPerUser"), tp.cast(int, qos_table[per_user].per_user), counted))
+            if per_account:
+                if assoc.account not in account_held:
+                    account_held[assoc.account] = _held(["-A", assoc.account])
+                counted = _charged(per_account, account_held[assoc.account], part_qos)
+                caps.append(SubmitCap(_label(per_account, partition, part_qos, f"MaxSubmitJobsPerAccount ({assoc.account})"), tp.cast(int, qos_table[per_account].per_account), counted))
+            if not per_user and not per_account and assoc.max_submit is not None:
+                counted = sum(h.account == assoc.account for h in held)
+                caps.append(SubmitCap(f"association {user}/{assoc.account}'s MaxSubmitJobs", assoc.max_submit, counted))
+    return size, min(caps, key=lambda c: c.headroom) if caps else None
+
+
+def _charged(qos: str, held: list[Held], part_qos: dict[str, str]) -> int:
+    """How many of `held` SLURM charges to `qos`: their own QOS, or a partition's QOS."""
+    return sum(h.qos == qos or any(part_qos.get(p) == qos for p in h.partitions) for h in held)
+
+
+def _label(qos: str, partition: str, part_qos: dict[str, str], limit: str) -> str:
+    whose = f"partition {partition}'s QOS {qos}" if part_qos.get(partition) == qos else f"QOS {qos}"
+    return f"{whose}'s {limit}"
+
+
+def _associations(user: str, account: str | None, cluster: str | None) -> list[Assoc]:
+    where = [f"user={user}", *([f"account={account}"] if account else []), *([f"cluster={cluster}"] if cluster else [])]
+    out = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=Account,Partition,MaxSubmit,DefaultQOS,QOS"],
+               "read MaxSubmitJobs", NO_ACCOUNTING_STORAGE)
+    return [Assoc(acct, part, _number(cap), dqos.lower(), tuple(q for q in qlist.lower().split(",") if q))
+            for acct, part, cap, dqos, qlist in _rows(out, 5, "sacctmgr show assoc")]
+
+
+def _qos_table() -> dict[str, Qos]:
+    out = _ask(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,Flags"], "read the QOS' submit caps")
+    return {name.lower(): Qos(_number(pu), _number(pa), "overpartqos" in flags.lower().split(","))
+            for name, pu, pa, flags in _rows(out, 4, "sacctmgr show qos")}
 
 
 def _partition_qos() -> dict[str, str]:
-    """Each partition's QOS (`QoS=` in `scontrol show partition`), for those that have one."""
-    out = _ask(["scontrol", "show", "partition", "-o"], "read the partitions' QOS")
+    """Each partition's QOS (`QoS=`), for those that have one; hidden partitions too (-a)."""
+    out = _ask(["scontrol", "-a", "show", "partition", "-o"], "read the partitions' QOS")
     found = {}
     for line in out.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        fields = dict(_pairs(line.replace(" ", "\n")))
         if fields.get("PartitionName") and fields.get("QoS", "N/A") != "N/A":
-            found[fields["PartitionName"]] = fields["QoS"]
+            found[fields["PartitionName"]] = fields["QoS"].lower()
     return found
 
 
-def _held(user: str) -> list[Held]:
-    out = _ask(["squeue", "-h", "-r", "-u", user, "-o", "%a|%q|%P"], "count the jobs held")
-    return [Held(a, q, tuple(p.split(","))) for a, q, p in (line.split("|") for line in out.splitlines() if line.count("|") == 2)]
+def _held(select: list[str]) -> list[Held]:
+    out = _ask(["squeue", "-h", "-r", *select, "-o", "%u|%a|%q|%P"], "count the jobs held")
+    return [Held(u, a, q.lower(), tuple(p.split(","))) for u, a, q, p in _rows(out, 4, "squeue")]
+
+
+def _rows(out: str, width: int, tool: str) -> list[list[str]]:
+    """`|`-separated lines of `width` fields; any other line is refused (a miscount would let a
+    sweep past a cap)."""
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    for row in rows:
+        if len(row) != width:
+            raise HpcrunError(f"{tool} answered a line this cannot read ({width} fields expected): {'|'.join(row)!r}")
+    return rows
+
+
+def _pairs(text: str) -> tp.Iterator[tuple[str, str]]:
+    """`Key = value` / `Key=value` lines as (key, value)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            yield key.strip(), value.strip()
+
+
+def _number(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
 
 
 def _ask(cmd: list[str], why: str, empty_when: str | None = None) -> str:

@@ -230,11 +230,10 @@ def test_sweep_limits_from_the_real_cluster() -> None:
 
     config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
     expected = next(int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize")
-    assert quota.max_array_size() == expected
     # root's association sets no MaxSubmitJobs and its default QOS (normal) no per-user cap
-    assert quota.submit_cap(None, None, ["batch"]) is None
+    assert quota.limits(None, None, ["batch"]) == (expected, None)
     # QOS capped (tests/cluster/testcluster.sh) holds 10 jobs per user, whoever asks
-    cap = quota.submit_cap(None, "capped", ["batch"])
+    size, cap = quota.limits(None, "capped", ["batch"])
     assert cap is not None and (cap.where, cap.cap) == ("QOS capped's MaxSubmitJobsPerUser", 10), cap
 
 

@@ -40,7 +40,7 @@ import torch
 PERSISTENT = 3  # the fewest checks a verdict rests on
 PERSISTENT_S = 10.0  # the shortest span of checks a verdict rests on (at 30 s flushes, 3 checks span longer)
 SLOW_SHARE = 0.75  # the share of those checks a rank must be slow in (of 3: all of them)
-CPU_SIZE, CPU_ROUNDS = 192, 192  # ~40 ms on one core (measured 30-40 ms here): see the docstring
+CPU_SIZE, CPU_ROUNDS = 192, 192  # ~40 ms of CPU (30-40 ms here with one intra-op thread): see the docstring
 GPU_SIZE, GPU_ROUNDS = 2048, 8  # 0.14 TFLOP: ~3 ms on an H100 in fp32 (not measured: no device lent); 3 x 16 MiB
 
 
