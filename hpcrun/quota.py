@@ -12,8 +12,9 @@ refused one job in the default QOS (the association's 25 count every job of that
 
 What counts against a cap: a job is charged to its own QOS and to its partition's QOS (once when
 they are the same); a QOS's per-user cap counts the user's jobs charged to it, its per-account
-cap the account's (every user's), the association's cap the user's jobs in that account. An
-array task counts as one job. Group caps (GrpSubmitJobs) are not read.
+cap the account's (every user's; where PrivateData hides other users' jobs, squeue shows only
+the user's and the count is short), the association's cap the user's jobs in that association.
+An array task counts as one job. Group caps (GrpSubmitJobs) are not read.
 """
 
 from __future__ import annotations
@@ -77,49 +78,76 @@ def limits(account: str | None, qos: str | None, partitions: list[str]) -> tuple
     account named, every association of the user is considered (jobs go to the default account,
     which is one of them). A SLURM tool that is missing, fails or hangs, or answers what this
     cannot read, is one line: guessing a cap could submit an array the controller refuses."""
-    config = dict(_pairs(_ask(["scontrol", "show", "config"], "read MaxArraySize")))
+    config = dict(_pairs(_ask(["scontrol", "show", "config"], "read MaxArraySize").splitlines()))
     size = int(config.get("MaxArraySize", MAX_ARRAY_SIZE))
     user = slurm.user()
     assocs = _associations(user, account, config.get("ClusterName"))
     if not assocs:
         return size, None  # no accounting, or no association the controller would check
-    qos_table = _qos_table()
-    part_qos = _partition_qos()
-    held = _held(["-u", user])
-    account_held: dict[str, list[Held]] = {}  # asked only where a per-account cap applies
-    caps: list[SubmitCap] = []
+    caps = _Caps(user, _qos_table(), _partition_qos(), _held(["-u", user]))
     for partition in partitions:
-        # an association for this partition, else the account's for every partition
-        rows = [a for a in assocs if a.partition == partition] or [a for a in assocs if not a.partition]
-        for assoc in rows:
-            job_qos = (qos or assoc.default_qos or (assoc.allowed_qos[0] if len(assoc.allowed_qos) == 1 else FALLBACK_QOS)).lower()
-            order = [q for q in (part_qos.get(partition), job_qos) if q]
-            if len(order) == 2 and qos_table.get(job_qos, Qos(None, None, False)).over_part_qos:
-                order.reverse()
-            per_user = next((q for q in order if q in qos_table and qos_table[q].per_user is not None), None)
-            per_account = next((q for q in order if q in qos_table and qos_table[q].per_account is not None), None)
-            if per_user:
-                counted = _charged(per_user, held, part_qos)
-                caps.append(SubmitCap(_label(per_user, partition, part_qos, "MaxSubmitJobsPerUser"), tp.cast(int, qos_table[per_user].per_user), counted))
-            if per_account:
-                if assoc.account not in account_held:
-                    account_held[assoc.account] = _held(["-A", assoc.account])
-                counted = _charged(per_account, account_held[assoc.account], part_qos)
-                caps.append(SubmitCap(_label(per_account, partition, part_qos, f"MaxSubmitJobsPerAccount ({assoc.account})"), tp.cast(int, qos_table[per_account].per_account), counted))
-            if not per_user and not per_account and assoc.max_submit is not None:
-                counted = sum(h.account == assoc.account for h in held)
-                caps.append(SubmitCap(f"association {user}/{assoc.account}'s MaxSubmitJobs", assoc.max_submit, counted))
-    return size, min(caps, key=lambda c: c.headroom) if caps else None
+        for assoc in _for_partition(assocs, partition):
+            caps.add(assoc, partition, qos)
+    return size, min(caps.found, key=lambda c: c.headroom) if caps.found else None
 
 
-def _charged(qos: str, held: list[Held], part_qos: dict[str, str]) -> int:
-    """How many of `held` SLURM charges to `qos`: their own QOS, or a partition's QOS."""
-    return sum(h.qos == qos or any(part_qos.get(p) == qos for p in h.partitions) for h in held)
+def _for_partition(assocs: list[Assoc], partition: str) -> list[Assoc]:
+    """Per account, its association for `partition` if it has one, else its general one."""
+    chosen = []
+    for account in dict.fromkeys(a.account for a in assocs):
+        mine = [a for a in assocs if a.account == account]
+        chosen += [a for a in mine if a.partition == partition] or [a for a in mine if not a.partition]
+    return chosen
 
 
-def _label(qos: str, partition: str, part_qos: dict[str, str], limit: str) -> str:
-    whose = f"partition {partition}'s QOS {qos}" if part_qos.get(partition) == qos else f"QOS {qos}"
-    return f"{whose}'s {limit}"
+@dataclasses.dataclass
+class _Caps:
+    """The caps found so far, and what SLURM said to find them with."""
+
+    user: str
+    qos_table: dict[str, Qos]
+    part_qos: dict[str, str]  # partition -> its QOS
+    held: list[Held]  # the user's jobs
+    found: list[SubmitCap] = dataclasses.field(default_factory=list)
+    account_held: dict[str, list[Held]] = dataclasses.field(default_factory=dict)  # asked where a per-account cap applies
+
+    def add(self, assoc: Assoc, partition: str, qos: str | None) -> None:
+        """The caps on a job of `assoc` in `partition` with QOS `qos` (None: the association's)."""
+        job_qos = (qos or assoc.default_qos or (assoc.allowed_qos[0] if len(assoc.allowed_qos) == 1 else FALLBACK_QOS)).lower()
+        order = [q for q in (self.part_qos.get(partition), job_qos) if q]
+        if len(order) == 2 and self.qos_table.get(job_qos, Qos(None, None, False)).over_part_qos:
+            order.reverse()
+        per_user = self._first(order, "per_user")
+        if per_user:
+            name, cap = per_user
+            self.found.append(SubmitCap(self._label(name, partition, "MaxSubmitJobsPerUser"), cap, self._charged(name, self.held)))
+        per_account = self._first(order, "per_account")
+        if per_account:
+            name, cap = per_account
+            if assoc.account not in self.account_held:
+                self.account_held[assoc.account] = _held(["-A", assoc.account])
+            held = self._charged(name, self.account_held[assoc.account])
+            self.found.append(SubmitCap(self._label(name, partition, f"MaxSubmitJobsPerAccount ({assoc.account})"), cap, held))
+        if not per_user and not per_account and assoc.max_submit is not None:
+            # the jobs of this association: its account, and its partition if it has its own
+            held = sum(h.account == assoc.account and (not assoc.partition or assoc.partition in h.partitions) for h in self.held)
+            self.found.append(SubmitCap(f"association {self.user}/{assoc.account}'s MaxSubmitJobs", assoc.max_submit, held))
+
+    def _first(self, order: list[str], limit: str) -> tuple[str, int] | None:
+        """The first QOS in `order` that sets `limit`, with its value: SLURM's precedence."""
+        for name in order:
+            value = getattr(self.qos_table[name], limit) if name in self.qos_table else None
+            if value is not None:
+                return name, value
+        return None
+
+    def _charged(self, qos: str, held: list[Held]) -> int:
+        """How many of `held` SLURM charges to `qos`: their own QOS, or their partition's."""
+        return sum(h.qos == qos or any(self.part_qos.get(p) == qos for p in h.partitions) for h in held)
+
+    def _label(self, qos: str, partition: str, limit: str) -> str:
+        whose = f"partition {partition}'s QOS {qos}" if self.part_qos.get(partition) == qos else f"QOS {qos}"
+        return f"{whose}'s {limit}"
 
 
 def _associations(user: str, account: str | None, cluster: str | None) -> list[Assoc]:
@@ -141,14 +169,15 @@ def _partition_qos() -> dict[str, str]:
     out = _ask(["scontrol", "-a", "show", "partition", "-o"], "read the partitions' QOS")
     found = {}
     for line in out.splitlines():
-        fields = dict(_pairs(line.replace(" ", "\n")))
+        fields = dict(_pairs(line.split()))  # one partition per line (-o): Key=value fields
         if fields.get("PartitionName") and fields.get("QoS", "N/A") != "N/A":
             found[fields["PartitionName"]] = fields["QoS"].lower()
     return found
 
 
 def _held(select: list[str]) -> list[Held]:
-    out = _ask(["squeue", "-h", "-r", *select, "-o", "%u|%a|%q|%P"], "count the jobs held")
+    # -r: an array's pending tasks one per line (each counts); -a: hidden partitions' jobs too
+    out = _ask(["squeue", "-h", "-r", "-a", *select, "-o", "%u|%a|%q|%P"], "count the jobs held")
     return [Held(u, a, q.lower(), tuple(p.split(","))) for u, a, q, p in _rows(out, 4, "squeue")]
 
 
@@ -162,9 +191,9 @@ def _rows(out: str, width: int, tool: str) -> list[list[str]]:
     return rows
 
 
-def _pairs(text: str) -> tp.Iterator[tuple[str, str]]:
-    """`Key = value` / `Key=value` lines as (key, value)."""
-    for line in text.splitlines():
+def _pairs(items: list[str]) -> tp.Iterator[tuple[str, str]]:
+    """`Key = value` / `Key=value` items as (key, value)."""
+    for line in items:
         key, sep, value = line.partition("=")
         if sep:
             yield key.strip(), value.strip()

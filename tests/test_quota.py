@@ -22,9 +22,11 @@ SCONTROL = '''case "$*" in
 esac'''
 # the user holds four jobs: in p1 (QOS normal), in p2 (QOS capped), pending for either (QOS
 # normal), in p2 under another account; another user of the account one in p2 (QOS capped)
+# (only with -h -r -a: a header, an unexpanded array or a hidden partition's job left out would
+# miscount)
 SQUEUE = '''case "$*" in
-  *"-u me "*) printf "me|acct|normal|p1\\nme|acct|capped|p2\\nme|acct|normal|p2,p1\\nme|other|normal|p2\\n";;
-  *"-A acct "*) printf "me|acct|normal|p1\\nme|acct|capped|p2\\nme|acct|normal|p2,p1\\nyou|acct|capped|p2\\n";;
+  "-h -r -a -u me "*) printf "me|acct|normal|p1\\nme|acct|capped|p2\\nme|acct|normal|p2,p1\\nme|other|normal|p2\\n";;
+  "-h -r -a -A acct "*) printf "me|acct|normal|p1\\nme|acct|capped|p2\\nme|acct|normal|p2,p1\\nyou|acct|capped|p2\\n";;
   *) exit 1;;
 esac'''
 
@@ -33,8 +35,8 @@ def fake_slurm(bindir: Path, capped: str = "10||", assoc: str = "acct||25||norma
     """`capped`: that QOS's MaxSubmitPU|MaxSubmitPA|Flags; `assoc`: the association's line."""
     qos = f"normal|||\\nCapped|{capped}\\npart|4||\\n"
     fake_tools(bindir, scontrol=SCONTROL, squeue=SQUEUE, sacctmgr=f'''case "$*" in
-  *" assoc where user=me "*"cluster=c1 "*) printf "%b\\n" "{assoc}";;
-  *" qos "*) printf "{qos}"; exit {qos_exit};;
+  "-n -P show assoc where user=me "*"cluster=c1 "*) printf "%b\\n" "{assoc}";;
+  "-n -P show qos "*) printf "{qos}"; exit {qos_exit};;
   *) exit 1;;
 esac''')
 
@@ -117,10 +119,33 @@ def test_no_accounting_storage_no_cap(bindir: Path) -> None:
     assert quota.limits(None, None, ["p1"]) == (501, None)
 
 
-@pytest.mark.parametrize("broken", ["qos", "squeue"])
-def test_an_answer_that_cannot_be_read_is_one_error(broken: str, bindir: Path) -> None:
-    fake_slurm(bindir, qos_exit=1 if broken == "qos" else 0)
-    if broken == "squeue":
+def test_two_accounts_each_with_its_own_rows(bindir: Path) -> None:
+    # `other` has its own association for p2 (cap 2, one of the user's jobs in it), `acct` only a
+    # general one (cap 3, three jobs): in p2 both count, and acct's is the tighter
+    fake_slurm(bindir, assoc="acct||3||normal\\nother|p2|2||normal")
+    cap = cap_of(None, None, ["p2"])
+    assert (cap.where, cap.held, cap.headroom) == ("association me/acct's MaxSubmitJobs", 3, 0), cap
+
+
+def test_a_partition_association_counts_its_partitions_jobs(bindir: Path) -> None:
+    # acct's own association for p1: the user's acct jobs that may run in p1 (two of three)
+    fake_slurm(bindir, assoc="acct||25||normal\\nacct|p3|5||normal")
+    fake_tools(bindir, squeue='printf "me|acct|normal|p3\\nme|acct|normal|p1,p3\\nme|acct|normal|p1\\n"')
+    cap = cap_of(None, None, ["p3"])
+    assert (cap.cap, cap.held) == (5, 2), cap
+
+
+def test_a_qos_query_that_fails_is_one_error(bindir: Path) -> None:
+    fake_slurm(bindir, qos_exit=1)
+    with pytest.raises(HpcrunError, match=r"^sacctmgr failed \(read the QOS' submit caps for the sweep\)"):
+        quota.limits(None, None, ["p1"])
+
+
+@pytest.mark.parametrize("tool", ["squeue", "sacctmgr"])
+def test_an_answer_that_cannot_be_read_is_one_error(tool: str, bindir: Path) -> None:
+    fake_slurm(bindir, assoc="acct|25||normal")  # a field short
+    if tool == "squeue":
+        fake_slurm(bindir)
         fake_tools(bindir, squeue='echo "me|acct|normal"')  # a field short
-    with pytest.raises(HpcrunError, match="sacctmgr failed|squeue answered a line"):
+    with pytest.raises(HpcrunError, match=f"^{tool} (show assoc )?answered a line this cannot read"):
         quota.limits(None, None, ["p1"])
