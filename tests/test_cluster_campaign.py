@@ -156,8 +156,13 @@ def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_di
     print(f"RPCs (slurmctld, slurmdbd): one poll {poll}; 10 watchers over {WATCH_S:.0f} s {ten}, at most {most:.0f} polls' worth")
     assert ten[0] <= poll[0] * most and ten[1] <= poll[1] * most, (poll, ten)
 
-    states = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(sorted(arrays)), "-o", "JobID,State"], capture_output=True, text=True, check=True).stdout
-    assert states.count("|COMPLETED") >= 2, states[:2000]  # a subset ran to its end meanwhile
+    # A subset runs to its end meanwhile. Waited for, not read once: under CI's load SLURM was
+    # seen starting the second array's first task late, one task completed 60 s in.
+    deadline = time.time() + 120
+    while (states := subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(sorted(arrays)), "-o", "JobID,State"],
+                                    capture_output=True, text=True, check=True).stdout).count("|COMPLETED") < 2:
+        assert time.time() < deadline, states[:2000]
+        time.sleep(2)
     again = hpcrun("sweep", "--site", str(site), str(recipe)).stdout
     assert f"submitted 0 point(s); {POINTS} already submitted" in again, again[-2000:]
     assert {j.split("_")[0] for j in held_tasks(arrays)} == arrays  # no new array: still the two
