@@ -98,7 +98,9 @@ def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) 
     while time.time() < deadline:
         if predicate():
             return
-        time.sleep(0.05)
+        # a quarter second: predicates run pgrep or read Parquet, and twenty looks a second were CPU
+        # taken from the jobs under test on CI's two cores; no test needs a faster reaction
+        time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}")
 
 
