@@ -54,11 +54,12 @@ def test_unknown_column_is_refused() -> None:
 
 
 ROUNDS: tp.Any = None  # in writer processes: how many checks the test has done so far
+WRITTEN: tp.Any = None  # in writer processes: how many rows all writers have written so far
 
 
-def _share_rounds(value: tp.Any) -> None:
-    global ROUNDS
-    ROUNDS = value
+def _share_rounds(rounds: tp.Any, written: tp.Any) -> None:
+    global ROUNDS, WRITTEN
+    ROUNDS, WRITTEN = rounds, written
 
 
 def _writer(args: tuple[str, int, int]) -> list[str]:
@@ -70,6 +71,9 @@ def _writer(args: tuple[str, int, int]) -> list[str]:
             time.sleep(0.002)  # row k waits for check k: writes and checks interleave
         attempt = uuid.uuid4().hex
         write_attempt(directory, row(run_id=f"w{index}", attempt_id=attempt, restart_count=k))
+        if WRITTEN is not None:
+            with WRITTEN.get_lock():
+                WRITTEN.value += 1
         ids.append(attempt)
         time.sleep(random.random() * 0.01)
     return ids
@@ -86,15 +90,21 @@ def test_200_concurrent_writers_lose_and_duplicate_nothing(tmp_path: Path) -> No
 
 def test_compaction_during_writes_loses_nothing(tmp_path: Path) -> None:
     """Compactions that merge files while writers are still writing: each writer's k-th row waits
-    for the k-th check, so the checks below really run between writes, however fast or slow
-    this machine is."""
+    for the k-th check, and each check for a row written since the one before, so the checks
+    below really run between writes, however fast or slow this machine is (under CI's load the
+    writers' pool once started after ten checks had run, and two merges were all there was)."""
     ctx = multiprocessing.get_context("fork")
-    rounds = ctx.Value("i", 0)
+    rounds, written_rows = ctx.Value("i", 0), ctx.Value("i", 0)
     merges = 0
-    with ctx.Pool(20, initializer=_share_rounds, initargs=(rounds,)) as pool:
+    with ctx.Pool(20, initializer=_share_rounds, initargs=(rounds, written_rows)) as pool:
         pending = pool.map_async(_writer, [(str(tmp_path), i, 10) for i in range(20)])
-        seen = 0
+        seen = checked_after = 0
         while not pending.ready():
+            deadline = time.time() + 60
+            while written_rows.value == checked_after and not pending.ready():
+                assert time.time() < deadline, "no row written in 60 s"
+                time.sleep(0.002)
+            checked_after = written_rows.value
             merged, _ = compact(tmp_path)
             df = load(tmp_path)
             assert df["attempt_id"].is_unique  # a reader never sees a row twice
