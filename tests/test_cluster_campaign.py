@@ -188,9 +188,10 @@ def as_quota(home: Path, *args: str, check: bool = True) -> subprocess.Completed
     return out
 
 
-def queued(user: str) -> list[str]:
-    """The jobs (array tasks one by one) SLURM holds for `user`, pending or running."""
-    return subprocess.run(["squeue", "-h", "-r", "-u", user, "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
+def queued(user: str, field: str = "%i") -> list[str]:
+    """The jobs (array tasks one by one) SLURM holds for `user`, pending or running: their ids,
+    or squeue's `field` of each."""
+    return subprocess.run(["squeue", "-h", "-r", "-u", user, "-o", field], capture_output=True, text=True, check=True).stdout.split()
 
 
 @contextlib.contextmanager
@@ -271,7 +272,7 @@ def test_a_qos_cap_binds_before_the_association(base: Path) -> None:
         out = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
         assert "submitted 10 point(s); 0 already submitted" in out and out.count("  deferred ") == 2, out
         assert "no room under QOS capped's MaxSubmitJobsPerUser (10; 0 held)" in out, out
-        held = subprocess.run(["squeue", "-h", "-r", "-u", QUOTA, "-o", "%q"], capture_output=True, text=True, check=True).stdout.split()
+        held = queued(QUOTA, "%q")
         assert held == ["capped"] * 10, held
         extra = subprocess.run([*run_as(QUOTA), "sbatch", "-p", "scale", "--qos", "capped", "-o", "/dev/null", "--wrap", "true"],
                                capture_output=True, text=True, cwd=home)

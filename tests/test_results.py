@@ -57,7 +57,7 @@ ROUNDS: tp.Any = None  # in writer processes: how many checks the test has done 
 WRITTEN: tp.Any = None  # in writer processes: how many rows all writers have written so far
 
 
-def _share_rounds(rounds: tp.Any, written: tp.Any) -> None:
+def _share_counters(rounds: tp.Any, written: tp.Any) -> None:
     global ROUNDS, WRITTEN
     ROUNDS, WRITTEN = rounds, written
 
@@ -96,7 +96,7 @@ def test_compaction_during_writes_loses_nothing(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("fork")
     rounds, written_rows = ctx.Value("i", 0), ctx.Value("i", 0)
     merges = 0
-    with ctx.Pool(20, initializer=_share_rounds, initargs=(rounds, written_rows)) as pool:
+    with ctx.Pool(20, initializer=_share_counters, initargs=(rounds, written_rows)) as pool:
         pending = pool.map_async(_writer, [(str(tmp_path), i, 10) for i in range(20)])
         seen = checked_after = 0
         while not pending.ready():
