@@ -1,8 +1,9 @@
 """What grows with the number of ranks, measured where this machine allows (gloo over loopback,
 N processes on its cores): the process group's rendezvous (init_process_group through the first
-barrier, c10d's TCPStore on rank 0), the per-step stop-flag all-reduce hpcrun adds to every step
-(two int64s, the `_agree` of hpcrun.runtime.context), and the files one DCP checkpoint save writes
-(one per rank, plus metadata). Printed per world size, with the slope per added rank, for
+barrier, c10d's TCPStore on rank 0), the per-step stop vote hpcrun adds to every step (two
+int64s, the `StopVote` of hpcrun.runtime.context, measured here as a blocking all-reduce: the
+job reads it a step late), and the files one DCP checkpoint save writes (one per rank, plus
+metadata). Printed per world size, with the slope per added rank, for
 benchmarks/RESULTS.md's "on paper" section.
 
     python benchmarks/collective_scale.py [--worlds 2,4,8] [--reduces 300]

@@ -91,7 +91,7 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
     return baseline, run_dir
 
 
-@pytest.mark.parametrize(("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 2, False), ("zero3", 2, False), ("zero2", 2, False)])
+@pytest.mark.parametrize(("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 4, False), ("zero3", 4, False), ("zero2", 4, False)])
 def test_resume_bit_identical(name: str, world: int, kill: bool, tmp_path: Path) -> None:
     started = time.monotonic()
     baseline, run_dir = interrupted(tmp_path, name, STRATEGIES[name], world, kill)

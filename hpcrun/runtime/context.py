@@ -48,7 +48,9 @@ class Context:
         self.restored_losses: list[float] = []  # global losses of earlier attempts
         self.step_metrics: dict[str, float] = {}  # what `log` was given during the current step
         self.recorder: StepRecorder | None = None
-        self.own_s = 0.0  # the training thread's time in hpcrun's per-step work (stop flag, metrics, watchdog), saves apart
+        # the training thread's time in each part of hpcrun's per-step work, saves apart
+        self.own_s = dict.fromkeys(("stop vote", "checkpoint poll", "metrics", "watchdog"), 0.0)
+        self.vote = StopVote(env, flag)
 
     @property
     def nvme_dir(self) -> str | None:
@@ -89,19 +91,26 @@ class Context:
                 yield step
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                back = time.perf_counter()  # from here to the save (or the next step): hpcrun's own work
+                parts = [time.perf_counter()]  # from here to the save (or the next step): hpcrun's own work
                 done = step + 1
+                stop, flush = self.vote.result()  # cast at the previous step's end
+                if not stop and done < total:
+                    self.vote.cast(recorder.due(ahead=1))
+                parts.append(time.perf_counter())
                 self.checkpoints.poll()
-                stop, flush = self._agree(recorder.due())
+                parts.append(time.perf_counter())
                 saving = done % interval == 0 or done == total or bool(stop)
                 loss = self.measured.losses[-1] if len(self.measured.losses) > recorded else None
-                recorder.record(done, time.perf_counter() - start, loss, self.step_metrics)
+                recorder.record(done, parts[-1] - start, loss, self.step_metrics)
                 if flush or saving:  # every checkpointed step is in the steps table before its checkpoint
                     recorder.flush()
+                parts.append(time.perf_counter())
                 # a step's time includes hpcrun's own per-step work and a flush; a save's stall is counted apart
-                self.measured.step_times.append(time.perf_counter() - start)
+                self.measured.step_times.append(parts[-1] - start)
                 watchdog.beat(step, self.measured.step_times[-1])
-                self.own_s += time.perf_counter() - back
+                parts.append(time.perf_counter())
+                for part, began, ended in zip(self.own_s, parts, parts[1:]):
+                    self.own_s[part] += ended - began
                 if saving:
                     with watchdog.saving():  # a long save is not a hang
                         self.save(done, block=done == total or bool(stop))
@@ -114,9 +123,11 @@ class Context:
             watchdog_cpu = watchdog.stop()
             recorder.close()
             if self.measured.step_times:  # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
-                stepped = sum(self.measured.step_times)
-                self.info(f"hpcrun's per-step work: {self.own_s * 1e3:.1f} ms on the training thread over {len(self.measured.step_times)} steps "
-                          f"({100 * self.own_s / stepped:.3f}% of step time); watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)")
+                stepped, own = sum(self.measured.step_times), sum(self.own_s.values())
+                shares = ", ".join(f"{part} {100 * s / stepped:.3f}%" for part, s in self.own_s.items())
+                self.info(f"hpcrun's per-step work: {own * 1e3:.1f} ms on the training thread over {len(self.measured.step_times)} steps "
+                          f"({100 * own / stepped:.3f}% of step time: {shares}); "
+                          f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)")
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks
@@ -132,15 +143,6 @@ class Context:
         state = {"step": step, "losses": self.global_losses()}
         self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
 
-    def _agree(self, flush: bool) -> tuple[int, bool]:
-        """Every rank learns whether any rank was signalled, and whether any rank wants the
-        metrics flushed now (one tiny all-reduce per step)."""
-        local = torch.tensor([self.flag.signum or 0, int(flush)], dtype=torch.int64, device=self.device)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        signum, due = local.tolist()
-        return int(signum), bool(due)
-
     def record_loss(self, loss: float) -> None:
         self.measured.losses.append(loss)
 
@@ -154,3 +156,33 @@ class Context:
     def info(self, message: str) -> None:
         if self.env.is_main or os.environ.get("HPCRUN_LOG_ALL_RANKS"):
             print(f"[hpcrun rank {self.rank}] {message}", flush=True)
+
+
+class StopVote:
+    """Every rank learns whether any rank was signalled to stop, and whether any wants the metrics
+    flushed: one tiny all-reduce (MAX), cast at one step's end and read at the next's. Read at
+    once, it would hold every step until the slowest rank arrived; a step later it is already
+    complete, because the step's own gradient all-reduce waited for every rank. The price: a stop
+    signal is acted on at the end of the step after the one it arrived in (README, "Stop
+    latency"). Every rank reads the same result at the same step, so all stop together."""
+
+    def __init__(self, env: DistEnv, flag: SignalFlag) -> None:
+        self.env, self.flag = env, flag
+        self.pending: tuple[tp.Any, torch.Tensor] | None = None
+
+    def cast(self, flush: bool) -> None:
+        local = torch.tensor([self.flag.signum or 0, int(flush)], dtype=torch.int64, device=self.env.device)
+        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() and self.env.world_size > 1 else None
+        self.pending = (work, local)
+
+    def result(self) -> tuple[int, bool]:
+        """The signal number (0: none) and the flush wish cast at the previous step's end; none
+        at an attempt's first step."""
+        if self.pending is None:
+            return 0, False
+        (work, votes), self.pending = self.pending, None
+        if work is not None:
+            work.wait()
+        signum, flush = votes.tolist()
+        return int(signum), bool(flush)
+

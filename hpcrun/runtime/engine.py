@@ -43,8 +43,10 @@ def block_classes(model: nn.Module) -> set[type[nn.Module]]:
 class TorchEngine:
     """DDP or FSDP with torch's own optimizer, autocast and (fp16) loss scaling."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe, env: DistEnv, raw: nn.Module) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe, env: DistEnv, raw: nn.Module,
+                 settle_buckets: bool = False) -> None:
         self.model, self.optimizer, self.recipe, self.env, self.raw = model, optimizer, recipe, env, raw
+        self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
         self.accum = recipe.training.grad_accum
@@ -52,6 +54,9 @@ class TorchEngine:
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
+        if self.unsettled:
+            self.unsettled = False
+            self.settle_buckets(tokens, targets)
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
         sync = contextlib.nullcontext() if last or self.accum == 1 else tp.cast(tp.Any, self.model).no_sync()  # DDP and FSDP both have it
         cast = torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
@@ -61,6 +66,28 @@ class TorchEngine:
             scaled = loss / self.accum
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.item()
+
+    def settle_buckets(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """One forward and backward whose results are thrown away, so that DDP lays its gradient
+        buckets out for good before the attempt's first real step. DDP reduces its first iteration
+        in one layout (all parameters in one bucket) and re-lays its buckets at the next forward,
+        in the order gradients became ready; the summation order of every element depends on the
+        layout, so without this a resumed attempt's first step would reduce in another layout
+        than the same step of a run never stopped (at 3 or more ranks: other last bits, then
+        drift). Every attempt, the first included, settles the same way, so every real step of
+        every attempt reduces in the same layout. The step then computes exactly what it would
+        have: the RNG streams and module buffers (batch-norm statistics) the throwaway pass may
+        advance are put back, its gradients dropped, the optimizer untouched."""
+        cast = torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        with torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [], device_type=self.env.device.type):
+            with cast:
+                loss = self.model(tokens, targets)
+            loss.backward()
+        with torch.no_grad():
+            for buffer, saved in zip(self.model.buffers(), buffers):
+                buffer.copy_(saved)
+        self.model.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
         clip = self.recipe.training.grad_clip
@@ -125,27 +152,6 @@ class TorchEngine:
         options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
         state = tp.cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
         return {k: v.detach().cpu() for k, v in state.items()}
-
-
-def per_parameter_allreduce(group, bucket):  # no annotations: DDP rejects the strings `from __future__ import annotations` makes
-    """A DDP communication hook (`DistributedDataParallel.register_comm_hook`) that averages
-    each parameter's gradient as its own all-reduce instead of the bucket as one. Why: a
-    collective's summation order for an element depends on where the element lies in the
-    reduced buffer, and DDP lays its buckets out once before the first iteration and again
-    after it (in the order gradients became ready). A resumed run's first step therefore
-    reduces in another layout than the uninterrupted run's same step, and at 3 or more ranks
-    the sums differ in their last bits. Per parameter, the layout is the parameter itself:
-    the same in every attempt, so every element is summed in the same order. The cost: one
-    collective per parameter tensor instead of one per 25 MB bucket (still overlapped with the
-    backward pass)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    buffer = bucket.buffer()
-    buffer.div_(world)  # before the sum, as DDP's own allreduce_hook does
-    works = [dist.all_reduce(grad, group=group, async_op=True) for grad in bucket.gradients()]  # views into `buffer`
-    futures = [w.get_future() for w in works if w is not None]
-    return torch.futures.collect_all(futures).then(lambda _: buffer)
 
 
 class DeepSpeedEngine:

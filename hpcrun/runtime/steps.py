@@ -117,9 +117,10 @@ class StepRecorder:
             start = ctx.start_step
             self.writer.submit(lambda: self._progress(start, None, []))
 
-    def due(self) -> bool:
-        """Whether this rank would flush after the step now ending (all ranks then agree)."""
-        return len(self.pending) + 1 >= self.config.flush_steps or time.monotonic() - self.last_flush >= self.config.flush_seconds
+    def due(self, ahead: int = 0) -> bool:
+        """Whether this rank would flush `ahead` steps after the step now ending (all ranks then
+        agree: hpcrun.runtime.context `StopVote` carries the wish a step ahead)."""
+        return len(self.pending) + 1 + ahead >= self.config.flush_steps or time.monotonic() - self.last_flush >= self.config.flush_seconds
 
     def record(self, step: int, seconds: float, loss: float | None, extra: dict[str, float]) -> None:
         began = time.perf_counter()

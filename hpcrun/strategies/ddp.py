@@ -25,13 +25,11 @@ class DDP(Strategy):
     """Gradients are views into the all-reduce buckets: one copy of the gradients fewer."""
     find_unused_parameters: bool = False
     """Search the graph for parameters without gradients each step (only models that skip some need it)."""
-    comm_hook: tp.Literal["per_parameter", "none", "bf16", "fp16", "powersgd"] = "per_parameter"
-    """How gradients are all-reduced. `per_parameter` (default): each parameter's gradient on its
-    own, so every element is summed in the same order in every attempt and a resumed run ends
-    with the same weights bit for bit at any world size. `none`: DDP's own bucketed all-reduce
-    (fewer, larger collectives; bit-exact resume only at 2 ranks, because DDP re-lays its buckets
-    out after the first iteration of every attempt). `bf16`/`fp16`/`powersgd` compress the
-    gradients (bf16 needs NCCL, GPUs); like `none`, not bit-exact across a resume."""
+    comm_hook: tp.Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    """How gradients are all-reduced. `none` (default): DDP's own bucketed all-reduce, laid out
+    the same way in every attempt (hpcrun.runtime.engine `TorchEngine.settle_buckets`), so a
+    resumed run ends with the same weights bit for bit. `bf16`/`fp16`/`powersgd` compress the
+    gradients (bf16 needs NCCL, GPUs); not bit-exact across a resume."""
     powersgd_rank: int = pydantic.Field(default=1, ge=1)
     """PowerSGD's matrix approximation rank (with `comm_hook: powersgd`)."""
 
@@ -64,13 +62,9 @@ class DDP(Strategy):
 
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        elif self.comm_hook == "per_parameter":
-            from hpcrun.runtime.engine import per_parameter_allreduce
-
-            ddp.register_comm_hook(None, per_parameter_allreduce)
         elif self.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             hook = default_hooks.bf16_compress_hook if self.comm_hook == "bf16" else default_hooks.fp16_compress_hook
             ddp.register_comm_hook(None, hook)
-        return TorchEngine(ddp, make_optimizer(ddp.parameters()), recipe, env, model)
+        return TorchEngine(ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=True)
