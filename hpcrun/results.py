@@ -2,8 +2,16 @@
 
 Writers never lock: each attempt writes its own file under a temporary name and renames it,
 so hundreds of jobs can write at once and readers never see a partial file. When small files
-accumulate, the writer that sees it merges them (`compact_when_many`), so reads stay fast at
-campaign size with no manual step.
+accumulate, the next reader merges them (`compact_when_many`: `load`, so `hpcrun results` and
+notebooks), so reads stay fast at campaign size with no manual step, and no job spends its stop
+path (KillWait after SIGTERM) rewriting the history.
+
+Files from other hpcrun versions load with what they have: columns an older version did not
+write are null, columns a newer one added are left out (and compaction leaves such a file as it
+is, rather than drop its columns). A file that cannot be read, or is not an hpcrun results file,
+is skipped with a warning by readers and moved by compaction into `unreadable/` (which readers
+skip), never deleted: it may be the only copy of its rows. Compaction removes exactly the files
+whose rows it wrote.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import pyarrow.parquet as pq
 
 from hpcrun.rundir import atomic_path, compact_lock
 from hpcrun.steps import STEPS, load_steps, resolve_dir
-from hpcrun.tables import arrow_table
+from hpcrun.tables import arrow_table, conform
 
 __all__ = ["SCHEMA", "compact", "compact_when_many", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
 
@@ -45,7 +53,8 @@ COLUMNS: dict[str, pa.DataType] = {
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(S, F))])
 
 
-AUTO_COMPACT_FILES = 256  # small result files beyond which a writer merges them (compact_when_many)
+AUTO_COMPACT_FILES = 256  # small result files beyond which a reader merges them (compact_when_many)
+SET_ASIDE = "unreadable"  # where compaction moves files it cannot read (readers skip it)
 
 
 def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
@@ -61,16 +70,15 @@ def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:
     row = {**row, "attempt_id": row.get("attempt_id") or uuid.uuid4().hex}
     name = f"{row.get('run_id', 'run')}__{row.get('job_id', 'job')}__{row.get('restart_count', 0)}__{row['attempt_id'][:12]}.parquet"
     _write_atomic(table([row]), directory / name)
-    compact_when_many(directory)
     return directory / name
 
 
 def compact_when_many(results_dir: str | Path, limit: int = AUTO_COMPACT_FILES) -> None:
     """Keep reads fast with no manual step: when more than `limit` files have accumulated, the
-    writer that sees it merges them (`compact`), unless another compaction runs now (it never
-    waits: the end of a job must not queue behind another's). Every ~`limit` attempts one
-    writer pays ~1 ms per file; `hpcrun results` then reads at most `limit` small files plus
-    one merged file. A compaction that fails is a warning: the attempt's own file is written."""
+    reader that sees it merges them (`compact`), unless another compaction runs now (it never
+    waits). Every ~`limit` attempts one reader pays ~1 ms per file; reads then see at most
+    `limit` small files plus the merged ones. A compaction that fails (a read-only results
+    directory, say) is a warning: the read goes on."""
     directory = Path(results_dir)
     if len(files(directory)) <= limit:
         return
@@ -92,7 +100,7 @@ def files(results_dir: str | Path) -> list[Path]:
     directory = Path(results_dir)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.rglob("*.parquet") if not p.name.startswith(".") and p.relative_to(directory).parts[0] != STEPS)
+    return sorted(p for p in directory.rglob("*.parquet") if not p.name.startswith(".") and p.relative_to(directory).parts[0] not in (STEPS, SET_ASIDE))
 
 
 class Vanished(Exception):
@@ -106,7 +114,7 @@ def read(paths: list[Path]) -> pa.Table:
 
     if not paths:
         return SCHEMA.empty_table()
-    try:
+    try:  # a dataset with SCHEMA fills the columns a file lacks with nulls and leaves out the ones it adds
         whole = ds.dataset([str(p) for p in paths], schema=SCHEMA, format="parquet").to_table()
         if whole.column("attempt_id").null_count:  # a foreign file read as null rows
             raise ValueError("rows without attempt_id")
@@ -114,13 +122,33 @@ def read(paths: list[Path]) -> pa.Table:
         tables = []
         for path in paths:
             try:
-                tables.append(pq.read_table(path).select(SCHEMA.names).cast(SCHEMA))
-            except FileNotFoundError as exc:
-                raise Vanished(str(path)) from exc
-            except (pa.ArrowException, OSError, KeyError, ValueError) as exc:
-                warnings.warn(f"{path}: skipped, not a readable hpcrun results file ({exc})", stacklevel=3)
+                tables.append(read_one(path)[0])
+            except Unreadable as exc:
+                warnings.warn(f"{path}: skipped, {exc}", stacklevel=3)
         whole = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
     return _unique(whole)
+
+
+class Unreadable(Exception):
+    """A file that is not a readable hpcrun results file (the message says why)."""
+
+
+def read_one(path: Path) -> tuple[pa.Table, bool]:
+    """One file's rows as SCHEMA, and whether it had columns SCHEMA lacks: columns an older hpcrun
+    did not write are null, columns a newer one added are left out. Raises Vanished if the file
+    is gone, Unreadable if it is not ours."""
+    try:
+        data = pq.read_table(path)
+    except FileNotFoundError as exc:
+        raise Vanished(str(path)) from exc
+    except (pa.ArrowException, OSError) as exc:
+        raise Unreadable(f"not a readable Parquet file ({exc})") from exc
+    if "attempt_id" not in data.column_names or data.column("attempt_id").null_count:
+        raise Unreadable("not an hpcrun results file (rows without attempt_id)")
+    try:
+        return conform(data, SCHEMA)
+    except (pa.ArrowException, ValueError) as exc:
+        raise Unreadable(f"a column of another type than hpcrun's ({exc})") from exc
 
 
 def _unique(data: pa.Table) -> pa.Table:
@@ -133,9 +161,10 @@ def _unique(data: pa.Table) -> pa.Table:
 def load(results_dir: str | Path, **filters: tp.Any) -> pd.DataFrame:
     """All results under `results_dir` (a directory, or a site name: its results directory) as
     a DataFrame with the schema's dtypes. A file that is truncated or not ours is reported
-    (warning) and skipped. `filters` are column=value (or a list of values) equalities.
+    (warning) and skipped. Merges the small files first when many have accumulated. `filters` are column=value (or a list of values) equalities.
     Per-step metrics: `load_steps` (hpcrun.steps)."""
     results_dir = resolve_dir(results_dir)
+    compact_when_many(results_dir)
     for attempt in range(5):
         try:
             data = read(files(results_dir))
@@ -168,16 +197,40 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
     except filelock.Timeout:
         return 0, 0
     try:
-        inputs = files(directory)
-        if len(inputs) <= 1:
+        tables, merged_paths = [], []
+        for path in files(directory):
+            try:
+                data, newer = read_one(path)
+            except Vanished:
+                continue  # removed by someone else since it was listed: nothing of it to merge
+            except Unreadable as exc:
+                set_aside(directory, path, str(exc))
+                continue
+            if not newer:  # a newer hpcrun's file stays as it is: merging it here would drop its new columns
+                tables.append(data)
+                merged_paths.append(path)
+        if len(merged_paths) <= 1:
             return 0, 0
-        merged = read(inputs)
+        merged = _unique(pa.concat_tables(tables))
         _write_atomic(merged, directory / f"compacted-{uuid.uuid4().hex[:12]}.parquet")
-        for path in inputs:
+        for path in merged_paths:  # exactly the files whose rows the merged file holds
             path.unlink(missing_ok=True)
-        return len(inputs), merged.num_rows
+        return len(merged_paths), merged.num_rows
     finally:
         lock.release()
+
+
+def set_aside(directory: Path, path: Path, why: str) -> Path:
+    """Move a file compaction cannot merge into `unreadable/` (readers skip it), under a name
+    no other file there has, and say so once. Never deleted: it may be the only copy of rows."""
+    aside = directory / SET_ASIDE
+    aside.mkdir(exist_ok=True)
+    target = aside / path.name
+    while target.exists():
+        target = aside / f"{path.stem}-{uuid.uuid4().hex[:8]}{path.suffix}"
+    path.rename(target)
+    warnings.warn(f"{path}: {why}; moved to {target}, not merged", stacklevel=3)
+    return target
 
 
 def _dtype(arrow_type: pa.DataType) -> tp.Any:

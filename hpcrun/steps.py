@@ -4,6 +4,9 @@ Rank 0 writes a batch of steps per file (`<results_dir>/steps/<run id>/<job id>-
 made visible by an atomic rename), so nothing half-written is ever read and no writer locks.
 A requeued run leaves files from several attempts; `load_steps` stitches them into one curve:
 an attempt that resumed from step s replaces every row of earlier attempts from step s+1 on.
+Files of other hpcrun versions load with what they have (hpcrun.tables `conform`). Nothing
+compacts, moves or deletes steps files: each run reads only its own directory, so reads stay
+narrow without merging, and an unreadable file is skipped with a warning, left where it is.
 
 Login-side: pyarrow and pandas only, never torch (the runtime's writer is hpcrun.runtime.steps).
 """
@@ -19,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hpcrun.rundir import atomic_path
-from hpcrun.tables import arrow_table
+from hpcrun.tables import arrow_table, conform
 
 if tp.TYPE_CHECKING:
     import pandas as pd
@@ -85,7 +88,7 @@ def read(paths: list[Path]) -> pa.Table:
     tables = []
     for path in paths:
         try:
-            data = pq.read_table(path).select(SCHEMA.names).cast(SCHEMA)
+            data, _ = conform(pq.read_table(path), SCHEMA)  # another hpcrun version's file loads with what it has
             if data.column("step").null_count or data.column("run_id").null_count:
                 raise ValueError("rows without run_id or step")
             tables.append(data)

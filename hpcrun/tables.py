@@ -1,4 +1,5 @@
-"""Rows -> an Arrow table of a declared schema: the one way results and steps rows are typed."""
+"""Rows -> an Arrow table of a declared schema, and a file's table -> that schema: the one way
+results and steps rows are typed."""
 
 from __future__ import annotations
 
@@ -20,3 +21,12 @@ def arrow_table(rows: list[dict[str, tp.Any]], schema: pa.Schema, what: str) -> 
             values = [list((v or {}).items()) for v in values]
         cols[field.name] = pa.array(values, type=field.type)
     return pa.table(cols, schema=schema)
+
+
+def conform(data: pa.Table, schema: pa.Schema) -> tuple[pa.Table, bool]:
+    """A table read from a file of another hpcrun version as `schema`, and whether it had columns
+    `schema` lacks: columns an older version did not write are null, columns a newer one added
+    are left out. Raises ValueError (or an ArrowException) for a column of another type."""
+    present = set(data.column_names)
+    columns = [data.column(f.name).cast(f.type) if f.name in present else pa.nulls(data.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema), bool(present - set(schema.names))

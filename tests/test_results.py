@@ -173,16 +173,73 @@ def _many_writer(args: tuple[str, int, int]) -> list[str]:
     return ids
 
 
-def test_writers_compact_when_files_accumulate(tmp_path: Path) -> None:
-    """No manual step keeps reads fast: 4 processes write 700 attempts at once, and the writers
-    that find more than AUTO_COMPACT_FILES files merge them (never two at a time) while the others
-    keep writing. Every attempt is there once, in at most AUTO_COMPACT_FILES + a few files."""
+def test_readers_compact_when_files_accumulate(tmp_path: Path) -> None:
+    """No manual step keeps reads fast, and no job pays for it: 4 processes write 700 attempts at
+    once and merge nothing (a job's end, after SIGTERM, has only KillWait left); the first read
+    that finds more than AUTO_COMPACT_FILES files merges them. Every attempt is there once."""
     from hpcrun.results import AUTO_COMPACT_FILES
 
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(4) as pool:
         written = [a for ids in pool.map(_many_writer, [(str(tmp_path), i, 175) for i in range(4)]) for a in ids]
+    assert len(files(tmp_path)) == 700  # the writers merged nothing
     df = load(tmp_path)
     assert len(written) == 700 and df["attempt_id"].is_unique and sorted(df["attempt_id"]) == sorted(written)
-    assert len(files(tmp_path)) <= AUTO_COMPACT_FILES + 4, len(files(tmp_path))
-    assert any(p.name.startswith("compacted-") for p in files(tmp_path))
+    assert [p.name.startswith("compacted-") for p in files(tmp_path)] == [True]
+    assert len(files(tmp_path)) <= AUTO_COMPACT_FILES
+
+
+def older_and_newer_files(directory: Path) -> tuple[set[str], dict[str, bytes]]:
+    """A file from an earlier hpcrun (fewer columns), one from a later one (a column more), a
+    torn copy and a foreign Parquet file. Returns the attempt ids of the readable rows and the
+    bytes of the unreadable files by name."""
+    good = table([row(attempt_id="old-1"), row(attempt_id="old-2")])
+    older = good.drop_columns(["slow_ranks", "checkpoint_write_s", "extra"])
+    pq.write_table(older, directory / "r0__1__0__older.parquet")
+    newer = table([row(attempt_id="new-1")]).append_column("energy_j", pa.array([12.5]))
+    pq.write_table(newer, directory / "r0__2__0__newer.parquet")
+    whole = (directory / "r0__1__0__older.parquet").read_bytes()
+    unreadable = {"torn.parquet": whole[: len(whole) // 2], "foreign.parquet": b""}
+    (directory / "torn.parquet").write_bytes(unreadable["torn.parquet"])
+    pq.write_table(pa.table({"something": [1, 2]}), directory / "foreign.parquet")
+    unreadable["foreign.parquet"] = (directory / "foreign.parquet").read_bytes()
+    return {"old-1", "old-2", "new-1"}, unreadable
+
+
+def test_compaction_keeps_every_row_and_every_unreadable_byte(tmp_path: Path) -> None:
+    """Files of earlier and later hpcrun versions, a torn file and a foreign one, while 4 processes
+    write 400 attempts and `hpcrun results compact` runs beside them: every readable row loads
+    afterwards, the older file's missing columns as nulls, and the unreadable files' bytes are
+    all under unreadable/ (once an unreadable file sent reads file by file, where an older file
+    was skipped too, and compaction deleted every input it had listed)."""
+    readable, unreadable = older_and_newer_files(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        pending = pool.map_async(_many_writer, [(str(tmp_path), i, 100) for i in range(4)])
+        compactions = 0
+        while not pending.ready() or compactions < 2:
+            out = cli("results", "compact", "--dir", str(tmp_path))
+            assert out.exit_code == 0, out.output
+            compactions += 1
+        written = [a for ids in pending.get(timeout=120) for a in ids]
+    assert cli("results", "compact", "--dir", str(tmp_path)).exit_code == 0
+    df = load(tmp_path)
+    assert df["attempt_id"].is_unique and set(df["attempt_id"]) == readable | set(written)
+    old = df[df["attempt_id"] == "old-1"].iloc[0]
+    assert old["tokens_per_s"] == 1000.0 and pd.isna(old["slow_ranks"]) and pd.isna(old["checkpoint_write_s"])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "unreadable").iterdir()} == unreadable
+    # the newer file is read (without its new column) but not merged: merging would drop that column
+    assert (tmp_path / "r0__2__0__newer.parquet").exists()
+    assert "energy_j" in pq.read_schema(tmp_path / "r0__2__0__newer.parquet").names
+
+
+def test_compaction_leaves_what_it_did_not_merge(tmp_path: Path) -> None:
+    """Compaction removes exactly the files whose rows it wrote: an older file is merged (its
+    rows, missing columns and all, are in the merged file), a newer one stays."""
+    readable, _ = older_and_newer_files(tmp_path)
+    write_attempt(tmp_path, row(attempt_id="current"))
+    with pytest.warns(UserWarning, match="torn.parquet: not a readable Parquet file"):
+        merged, rows = compact(tmp_path)
+    assert (merged, rows) == (2, 3)  # the older file and the current one
+    assert sorted(p.name for p in files(tmp_path))[1:] == ["r0__2__0__newer.parquet"]
+    assert set(load(tmp_path)["attempt_id"]) == readable | {"current"}

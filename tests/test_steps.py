@@ -73,6 +73,24 @@ def test_steps_stitched_across_attempts(tmp_path: Path) -> None:
     assert len(steps.load_steps(tmp_path)) == 15
 
 
+def test_files_of_older_and_newer_versions_load(tmp_path: Path) -> None:
+    """A steps file written before a column existed, and one with a column this version does not
+    know, load with what they have (once the older file was skipped as unreadable)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write(tmp_path, rows("old", "1", 1, 2, 0))
+    write(tmp_path, rows("new", "2", 1, 2, 0))
+    old, new = (next(p for p in steps.files(tmp_path) if p.parent.name == run) for run in ("old", "new"))
+    pq.write_table(pq.read_table(old).drop_columns(["memory_bytes", "extra", "slowest_rank"]), old)
+    pq.write_table(pq.read_table(new).append_column("energy_j", pa.array([1.0, 2.0])), new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        df = steps.load_steps(tmp_path)
+    assert list(zip(df["run_id"], df["step"])) == [("new", 1), ("new", 2), ("old", 1), ("old", 2)]
+    assert df["memory_bytes"].isna().tolist() == [True] * 4 and df["loss"].tolist() == [2001.0, 2002.0, 1001.0, 1002.0]
+
+
 def test_truncated_and_foreign_files_are_reported_and_skipped(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
