@@ -146,10 +146,10 @@ def shares_of(tmp: Path, run_id: str) -> dict[str, float]:
     return shares
 
 
-def run_hpcrun(args: argparse.Namespace, tmp: Path, n: int, shares: list[dict[str, float]]) -> float:
+def run_hpcrun(args: argparse.Namespace, tmp: Path, n: int, shares: list[dict[str, float]], probe: bool = True) -> float:
     from hpcrun.results import load
 
-    name = f"overhead{n}"
+    name = f"overhead{n}" + ("" if probe else "noprobe")
     resources = {"nodes": 2, "gpus_per_node": 2, "partition": PARTITION} if args.cluster else {"nodes": 1, "gpus_per_node": 2}
     recipe = {
         "name": name, "job": {"kind": "benchmark", "model": args.model}, "resources": {**resources, "time": "00:30:00"},
@@ -158,6 +158,8 @@ def run_hpcrun(args: argparse.Namespace, tmp: Path, n: int, shares: list[dict[st
     }
     if args.flush_steps:
         recipe["metrics"] = {"flush_steps": args.flush_steps}
+    if not probe:
+        recipe["fault"] = {"straggler_factor": None}
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     submit = [sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(tmp / "site.yaml"), str(tmp / "recipe.yaml")]
     if args.follow:  # the CLI following the job shares the ranks' cores here (on a cluster it runs on the login node)
@@ -184,6 +186,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--flush-steps", type=int, default=None)
+    parser.add_argument("--without-probe", action="store_true", help="a third arm: hpcrun with the slow-rank probe off")
     parser.add_argument("--follow", action="store_true", help="hpcrun submit --wait (the CLI then shares the cores with the ranks)")
     parser.add_argument("--bare-rank", help=argparse.SUPPRESS)  # one rank of the bare loop under srun (--cluster)
     args = parser.parse_args()
@@ -193,21 +196,29 @@ def main() -> None:
     scratch_site(tmp, "testcluster" if args.cluster else "local")
     bare_tps: list[float] = []
     hpc_tps: list[float] = []
+    unprobed_tps: list[float] = []
     shares: list[dict[str, float]] = []
     arms = [
         lambda n: bare_tps.append(run_bare_cluster(args, tmp, n) if args.cluster else run_bare_local(args, tmp)),
         lambda n: hpc_tps.append(run_hpcrun(args, tmp, n, shares)),
     ]
-    for n in range(args.rounds):  # AB then BA, so drift on a noisy machine hits both arms alike
+    if args.without_probe:
+        arms.append(lambda n: unprobed_tps.append(run_hpcrun(args, tmp, n, [], probe=False)))
+    for n in range(args.rounds):  # AB then BA, so drift on a noisy machine hits every arm alike
         for arm in arms if n % 2 == 0 else arms[::-1]:
             arm(n)
-        print(f"round {n}: bare {bare_tps[-1]:.0f} tokens/s, hpcrun {hpc_tps[-1]:.0f} (ratio {hpc_tps[-1] / bare_tps[-1]:.3f}), "
+        unprobed = f", hpcrun without the probe {unprobed_tps[-1]:.0f} ({unprobed_tps[-1] / bare_tps[-1]:.3f})" if unprobed_tps else ""
+        print(f"round {n}: bare {bare_tps[-1]:.0f} tokens/s, hpcrun {hpc_tps[-1]:.0f} (ratio {hpc_tps[-1] / bare_tps[-1]:.3f}){unprobed}, "
               f"hpcrun's per-step work {100 * shares[-1]['all of it']:.2f}% of step time", flush=True)
     ratios = [h / b for h, b in zip(hpc_tps, bare_tps)]
     where = "2 nodes x 2 ranks, test cluster" if args.cluster else "2 ranks, this machine"
     print(f"hpcrun (defaults) / bare DDP loop, {where}, {args.rounds} rounds: median {statistics.median(ratios):.3f}, "
           f"mean {statistics.fmean(ratios):.3f}, of totals {sum(hpc_tps) / sum(bare_tps):.3f}, "
           f"spread {min(ratios):.3f}-{max(ratios):.3f} (target >= 0.98)")
+    if unprobed_tps:
+        ratios = [u / b for u, b in zip(unprobed_tps, bare_tps)]
+        print(f"hpcrun with fault.straggler_factor: null / bare DDP loop: median {statistics.median(ratios):.3f}, "
+              f"spread {min(ratios):.3f}-{max(ratios):.3f}")
     print("share of step time on rank 0's training thread (in-process), median and max over rounds:")
     for part in shares[0]:
         values = [x[part] for x in shares]

@@ -8,6 +8,7 @@ decision to stop at a step boundary when a signal arrived.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import signal
 import time
@@ -93,9 +94,7 @@ class Context:
                     torch.cuda.synchronize(self.device)
                 parts = [time.perf_counter()]  # from here to the save (or the next step): hpcrun's own work
                 done = step + 1
-                stop, flush = self.vote.result()  # cast at the previous step's end
-                if not stop and done < total:
-                    self.vote.cast(recorder.due(ahead=1))
+                stop, flush, probing = self.vote.step_end(done, total, parts[0] - start, recorder)
                 parts.append(time.perf_counter())
                 self.checkpoints.poll()
                 parts.append(time.perf_counter())
@@ -103,7 +102,7 @@ class Context:
                 loss = self.measured.losses[-1] if len(self.measured.losses) > recorded else None
                 recorder.record(done, parts[-1] - start, loss, self.step_metrics)
                 if flush or saving:  # every checkpointed step is in the steps table before its checkpoint
-                    recorder.flush()
+                    recorder.flush(probing=probing)
                 parts.append(time.perf_counter())
                 # a step's time includes hpcrun's own per-step work and a flush; a save's stall is counted apart
                 self.measured.step_times.append(parts[-1] - start)
@@ -160,29 +159,45 @@ class Context:
 
 class StopVote:
     """Every rank learns whether any rank was signalled to stop, and whether any wants the metrics
-    flushed: one tiny all-reduce (MAX), cast at one step's end and read at the next's. Read at
-    once, it would hold every step until the slowest rank arrived; a step later it is already
-    complete, because the step's own gradient all-reduce waited for every rank. The price: a stop
-    signal is acted on at the end of the step after the one it arrived in (README, "Stop
-    latency"). Every rank reads the same result at the same step, so all stop together."""
+    flushed (and slow ranks probed) at the next flush: one tiny all-reduce (MAX), cast at one
+    step's end and read where the next is cast, at least one step and EVERY_S later. Read at once,
+    it would hold every step until the slowest rank arrived; read later it has long completed.
+    Each vote also carries the slowest rank's step time, from which every rank computes the same
+    number of steps to the next one. The price: a stop signal is acted on up to two vote
+    intervals after it arrives (README, "Stop latency"). Every rank reads the same result at the
+    same step, so all stop together."""
+
+    EVERY_S = 0.25  # the least time between votes: ~0.2 ms each, nothing measurable at this spacing
 
     def __init__(self, env: DistEnv, flag: SignalFlag) -> None:
         self.env, self.flag = env, flag
         self.pending: tuple[tp.Any, torch.Tensor] | None = None
+        self.next_at: int | None = None  # the step (completed count) of the next vote; None: this one
+        self.every = 1
 
-    def cast(self, flush: bool) -> None:
-        local = torch.tensor([self.flag.signum or 0, int(flush)], dtype=torch.int64, device=self.env.device)
+    def step_end(self, done: int, total: int, step_s: float, recorder: StepRecorder) -> tuple[int, bool, bool]:
+        """At the end of step `done`: the signal number (0: none), the flush wish and the probe
+        wish of the vote read here, if one is due (none at an attempt's first step)."""
+        if self.next_at is not None and done < self.next_at:
+            return 0, False, False
+        signum, flush, probing, step_us = self._read()
+        if step_us:
+            self.every = max(1, math.ceil(self.EVERY_S * 1e6 / step_us))
+        if not signum and done < total:
+            self._cast([self.flag.signum or 0, int(recorder.due(ahead=self.every)), int(recorder.probe_due()), round(step_s * 1e6)])
+            self.next_at = min(done + self.every, total)  # the last step reads it: none left in flight
+        return signum, flush, probing
+
+    def _cast(self, votes: list[int]) -> None:
+        local = torch.tensor(votes, dtype=torch.int64, device=self.env.device)
         work = dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() and self.env.world_size > 1 else None
         self.pending = (work, local)
 
-    def result(self) -> tuple[int, bool]:
-        """The signal number (0: none) and the flush wish cast at the previous step's end; none
-        at an attempt's first step."""
+    def _read(self) -> tuple[int, bool, bool, int]:
         if self.pending is None:
-            return 0, False
+            return 0, False, False, 0
         (work, votes), self.pending = self.pending, None
         if work is not None:
             work.wait()
-        signum, flush = votes.tolist()
-        return int(signum), bool(flush)
-
+        signum, flush, probing, step_us = votes.tolist()
+        return int(signum), bool(flush), bool(probing), int(step_us)

@@ -28,7 +28,7 @@ from hpcrun.rundir import RunDir, read_json
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
 from hpcrun.runtime.metrics import peak_memory_bytes
-from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, SLOW_SHARE, Stragglers, probe
+from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, PROBE_EVERY_S, SLOW_SHARE, Stragglers, probe
 
 if tp.TYPE_CHECKING:
     from hpcrun.runtime.context import Context
@@ -94,6 +94,8 @@ class StepRecorder:
         self.seq = 0
         self.closed = False
         self.spent_s = 0.0  # the training thread's time in `record` and `flush`: this feature's cost
+        self.flushes: list[float] = []  # of which each flush's (probes counted in `probes`)
+        self.probes = 0
         samples = ctx.world_size * training.micro_batch * training.grad_accum
         self.tokens_per_step = samples * training.seq_len if spec.size else None
         self.ids = attempt_ids(ctx)
@@ -102,6 +104,7 @@ class StepRecorder:
         # slow ranks (hpcrun.runtime.straggler): every rank probes at each flush, rank 0 judges
         factor = ctx.recipe.fault.straggler_factor
         self.probing = bool(factor) and ctx.world_size > 1 and dist.is_initialized()
+        self.last_probe = -math.inf
         self.stragglers: Stragglers | None = None
         if self.probing and factor:
             nodes: list[tp.Any] = [None] * ctx.world_size
@@ -131,16 +134,23 @@ class StepRecorder:
         self.pending.append(Pending(step, time.time(), seconds, loss, lr, getattr(engine, "grad_norm", None), memory, extra))
         self.spent_s += time.perf_counter() - began
 
-    def flush(self, collective: bool = True) -> None:
+    def probe_due(self) -> bool:
+        """Whether this rank would probe for slow ranks at the next flush: at most once every
+        PROBE_EVERY_S, however often flushes come (all ranks then agree, as for `due`)."""
+        return self.probing and time.monotonic() - self.last_probe >= PROBE_EVERY_S
+
+    def flush(self, collective: bool = True, probing: bool = False) -> None:
         """Rank 0 hands the pending steps' rows to its writer. Collective: every rank calls it at
-        the same step (one all_gather of the batch's step times and losses)."""
+        the same step (one all_gather of the batch's step times and losses), with the same
+        `probing` (every rank times its probe, hpcrun.runtime.straggler)."""
         began = time.perf_counter()
         try:
-            self._flush(collective)
+            self._flush(collective, probing and self.probing)
         finally:
-            self.spent_s += time.perf_counter() - began
+            self.flushes.append(time.perf_counter() - began)
+            self.spent_s += self.flushes[-1]
 
-    def _flush(self, collective: bool) -> None:
+    def _flush(self, collective: bool, probing: bool) -> None:
         batch, self.pending = self.pending, []
         self.last_flush = time.monotonic()
         if not batch:
@@ -150,8 +160,9 @@ class StepRecorder:
         local = [batch[i].seconds for i in sampled] + [math.nan if p.loss is None else p.loss for p in batch]
         world = self.ctx.world_size
         if collective:
-            gathered = self._gather(local + ([probe(self.ctx.device)] if self.probing else []))
-            if self.probing:
+            gathered = self._gather(local + ([probe(self.ctx.device)] if probing else []))
+            if probing:
+                self.last_probe, self.probes = time.monotonic(), self.probes + 1
                 gathered, probes = gathered[:, :-1], gathered[:, -1].tolist()
                 self._judge(probes)
         else:  # a rank alone (leaving on an error): its own times and losses only
@@ -210,7 +221,8 @@ class StepRecorder:
         step_s = sum(self.ctx.measured.step_times)
         if step_s:
             share = f" ({100 * self.spent_s / step_s:.3f}% of step time)"
-            self.ctx.info(f"per-step metrics: {self.spent_s * 1e3:.1f} ms on the training thread over {len(self.ctx.measured.step_times)} steps{share}")
+            self.ctx.info(f"per-step metrics: {self.spent_s * 1e3:.1f} ms on the training thread over {len(self.ctx.measured.step_times)} steps{share}, "
+                          f"of which {len(self.flushes)} flushes {sum(self.flushes) * 1e3:.1f} ms ({self.probes} with a slow-rank probe)")
         if self.writer is not None:
             self.writer.submit(lambda: self._progress(None, None, []))
             self.writer.close()
