@@ -250,3 +250,26 @@ def test_status_with_a_failing_squeue_is_one_line(bare_path: Path, tmp_path: Pat
     (run_dir / "jobs.json").write_text(json.dumps([{"job_id": "12", "scheduler": "slurm"}]))
     line = one_line_refusal(cli("status", "--site", str(site), "r1"))
     assert line == "Error: squeue failed: squeue: error: Unable to contact slurm controller (connect failure)"
+
+
+# --- a checkpoint manifest that cannot be read is an error, not "no checkpoint" -------------------
+def test_an_unreadable_manifest_is_an_error_not_an_older_checkpoint(tmp_path: Path) -> None:
+    """Only a missing manifest means incomplete. One that cannot be read (here a directory where
+    the file should be: EISDIR, as EIO, EACCES or ESTALE would be on a shared filesystem) or
+    parsed names the file; it used to be skipped, and resume took step 2 without a word."""
+    from hpcrun.rundir import CorruptStateError
+    from hpcrun.runtime.checkpoint import MANIFEST, complete, latest, step_dir
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        step_dir(root, step).mkdir(parents=True)
+    (step_dir(root, 2) / MANIFEST).write_text(json.dumps({"complete": True, "step": 2}))
+    step_dir(root, 6).mkdir()  # being written: no manifest yet
+    assert latest(root) == (2, step_dir(root, 2))
+    (step_dir(root, 4) / MANIFEST).mkdir()
+    with pytest.raises(CorruptStateError, match=f"{step_dir(root, 4) / MANIFEST}.*unreadable"):
+        complete(root)
+    (step_dir(root, 4) / MANIFEST).rmdir()
+    (step_dir(root, 4) / MANIFEST).write_text('{"complete": tr')
+    with pytest.raises(CorruptStateError, match="not JSON"):
+        latest(root)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 
 from hpcrun import __version__
-from hpcrun.rundir import RunDir, atomic_path
+from hpcrun.rundir import CorruptStateError, RunDir, atomic_path, read_json
 from hpcrun.runtime.env import DistEnv
 
 MANIFEST = "manifest.json"
@@ -44,14 +44,18 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def complete(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first: named `step-N` with a readable manifest."""
+    """Complete checkpoints, oldest first: named `step-N` with a manifest. Only a missing manifest
+    means incomplete (it is written last, atomically); one that cannot be read (EIO, EACCES,
+    ESTALE on a shared filesystem) or parsed is a CorruptStateError naming it: taken as absent,
+    the run would silently resume from an older checkpoint, or from step 0."""
     found = []
     if root.is_dir():
         for path in root.glob("step-*"):
-            try:
-                manifest = json.loads((path / MANIFEST).read_text())
-            except (OSError, ValueError):
+            manifest = read_json(path / MANIFEST, missing=None)
+            if manifest is None:
                 continue
+            if not isinstance(manifest, dict) or "step" not in manifest:
+                raise CorruptStateError(path / MANIFEST, "not a checkpoint manifest")
             if manifest.get("complete") and path.name == step_dir(root, int(manifest["step"])).name:
                 found.append((int(manifest["step"]), path))
     return sorted(found)
