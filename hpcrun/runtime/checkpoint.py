@@ -256,7 +256,7 @@ class Checkpoints:
         mine = path / f"trainer-rank{self.env.rank:05d}.pt"
         manifest = json.loads((path / MANIFEST).read_text())
         same_world = manifest["world_size"] == self.env.world_size
-        state = torch.load(mine if same_world else path / "trainer-rank00000.pt", weights_only=False)
+        state = torch.load(mine if same_world else path / "trainer-rank00000.pt", weights_only=True)
         if same_world:
             set_rng_state(state["rng"])
         return state
@@ -296,7 +296,7 @@ def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
             # torch's converter writes the whole checkpoint (optimizer too) to one file; the
             # model part then replaces it under the same temporary name
             dcp_to_torch_save(str(path / "state"), str(tmp))
-            state = torch.load(tmp, weights_only=False)["model"]
+            state = torch.load(tmp, weights_only=True)["model"]
         torch.save(state, tmp)
     return out, state_digest(state)
 
