@@ -13,7 +13,7 @@ export NCCL_SOCKET_NTHREADS=2
 
 # Rendezvous on this machine; the port is derived from the job so parallel runs do not collide.
 export MASTER_ADDR=127.0.0.1
-export MASTER_PORT=$((20000 + HPCRUN_LOCAL_JOB_ID % 20000))
+export MASTER_PORT=$((20000 + HPCRUN_LOCAL_JOB_ID % 12000))
 run_dir=/home/golden/hpcrun/runs/20260101-000000-0000-golden
 
 exec /usr/bin/python3 -u -m hpcrun.launch "$run_dir"
