@@ -93,3 +93,12 @@ def test_every_step_of_every_attempt_reduces_in_one_layout(tmp_path: Path) -> No
     assert first == real[2], f"the resumed attempt's first step reduced in another layout:\n{first}\nvs\n{real[2]}"
     assert [layout for n, layout in resumed if n == 3] == [real[3]]
     assert whole[0][1] != real[0], "DDP's first layout is its settled one: this test would prove nothing"
+
+
+def test_the_old_per_parameter_default_still_loads() -> None:
+    """A run submitted before the per-parameter hook was removed names it in its runspec.json;
+    its requeued attempt must still load (as DDP's own all-reduce, which is exact too)."""
+    from hpcrun.recipe import Recipe
+
+    recipe = Recipe.model_validate({"name": "old", "strategy": {"name": "ddp", "comm_hook": "per_parameter"}})
+    assert recipe.strategy.comm_hook == "none"  # type: ignore[union-attr]

@@ -29,7 +29,14 @@ class DDP(Strategy):
     """How gradients are all-reduced. `none` (default): DDP's own bucketed all-reduce, laid out
     the same way in every attempt (hpcrun.runtime.engine `TorchEngine.settle_buckets`), so a
     resumed run ends with the same weights bit for bit. `bf16`/`fp16`/`powersgd` compress the
-    gradients (bf16 needs NCCL, GPUs); not bit-exact across a resume."""
+    gradients (bf16 needs NCCL, GPUs); not bit-exact across a resume. `per_parameter` (the old
+    default, which recipes and the runspec.json of runs submitted before may still name) is read
+    as `none`: both are exact, `none` without one collective per parameter."""
+    @pydantic.field_validator("comm_hook", mode="before")
+    @classmethod
+    def _old_default(cls, value: tp.Any) -> tp.Any:
+        return "none" if value == "per_parameter" else value
+
     powersgd_rank: int = pydantic.Field(default=1, ge=1)
     """PowerSGD's matrix approximation rank (with `comm_hook: powersgd`)."""
 
