@@ -84,7 +84,7 @@ def compact_when_many(results_dir: str | Path, limit: int = AUTO_COMPACT_FILES) 
         return
     try:
         compact(directory, wait=False)
-    except (OSError, pa.ArrowException, Vanished) as exc:
+    except (OSError, pa.ArrowException) as exc:
         warnings.warn(f"{directory}: results not compacted ({exc}); `hpcrun results compact` merges them", stacklevel=2)
 
 
@@ -130,7 +130,13 @@ def read(paths: list[Path]) -> pa.Table:
 
 
 class Unreadable(Exception):
-    """A file that is not a readable hpcrun results file (the message says why)."""
+    """A file that cannot be read as hpcrun results now (the message says why). `broken`: it
+    never will be (not Parquet, not ours), so compaction sets it aside; otherwise (an I/O error,
+    a column whose type another version changed) it is left where it is."""
+
+    def __init__(self, why: str, broken: bool) -> None:
+        super().__init__(why)
+        self.broken = broken
 
 
 def read_one(path: Path) -> tuple[pa.Table, bool]:
@@ -141,14 +147,18 @@ def read_one(path: Path) -> tuple[pa.Table, bool]:
         data = pq.read_table(path)
     except FileNotFoundError as exc:
         raise Vanished(str(path)) from exc
-    except (pa.ArrowException, OSError) as exc:
-        raise Unreadable(f"not a readable Parquet file ({exc})") from exc
+    except pa.ArrowInvalid as exc:
+        raise Unreadable(f"not a readable Parquet file ({exc})", broken=True) from exc
+    except OSError as exc:  # EIO, ESTALE, EACCES: the file may be whole
+        raise Unreadable(f"could not be read ({exc})", broken=False) from exc
+    except pa.ArrowException as exc:
+        raise Unreadable(f"not a readable Parquet file ({exc})", broken=True) from exc
     if "attempt_id" not in data.column_names or data.column("attempt_id").null_count:
-        raise Unreadable("not an hpcrun results file (rows without attempt_id)")
+        raise Unreadable("not an hpcrun results file (rows without attempt_id)", broken=True)
     try:
         return conform(data, SCHEMA)
     except (pa.ArrowException, ValueError) as exc:
-        raise Unreadable(f"a column of another type than hpcrun's ({exc})") from exc
+        raise Unreadable(f"a column of another type than hpcrun's ({exc})", broken=False) from exc
 
 
 def _unique(data: pa.Table) -> pa.Table:
@@ -204,7 +214,10 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
             except Vanished:
                 continue  # removed by someone else since it was listed: nothing of it to merge
             except Unreadable as exc:
-                set_aside(directory, path, str(exc))
+                if exc.broken:
+                    set_aside(directory, path, str(exc))
+                else:
+                    warnings.warn(f"{path}: {exc}; left as it is, not merged", stacklevel=2)
                 continue
             if not newer:  # a newer hpcrun's file stays as it is: merging it here would drop its new columns
                 tables.append(data)
