@@ -59,13 +59,15 @@ class TorchEngine:
             self.settle_buckets(tokens, targets)
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
         sync = contextlib.nullcontext() if last or self.accum == 1 else tp.cast(tp.Any, self.model).no_sync()  # DDP and FSDP both have it
-        cast = torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
         with sync:
-            with cast:
+            with self.autocast():
                 loss = self.model(tokens, targets)
             scaled = loss / self.accum
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.item()
+
+    def autocast(self) -> tp.ContextManager[tp.Any]:
+        return torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 
     def settle_buckets(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """One forward and backward whose results are thrown away, so that DDP lays its gradient
@@ -78,12 +80,12 @@ class TorchEngine:
         every attempt reduces in the same layout. The step then computes exactly what it would
         have: the RNG streams and module buffers (batch-norm statistics) the throwaway pass may
         advance are put back, its gradients dropped, the optimizer untouched."""
-        cast = torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        rng = checkpoint.rng_state()  # every stream a checkpoint restores, Python's `random` included
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        with torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [], device_type=self.env.device.type):
-            with cast:
-                loss = self.model(tokens, targets)
-            loss.backward()
+        with self.autocast():
+            loss = self.model(tokens, targets)
+        loss.backward()
+        checkpoint.set_rng_state(rng)
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), buffers):
                 buffer.copy_(saved)
