@@ -16,6 +16,8 @@ whose rows it wrote.
 
 from __future__ import annotations
 
+import os
+import stat
 import typing as tp
 import uuid
 import warnings
@@ -80,8 +82,8 @@ def compact_when_many(results_dir: str | Path, limit: int = AUTO_COMPACT_FILES) 
     `limit` small files plus the merged ones. A compaction that fails (a read-only results
     directory, say) is a warning: the read goes on."""
     directory = Path(results_dir)
-    if len(files(directory)) <= limit:
-        return
+    if len(files(directory)) <= limit or not os.access(directory, os.W_OK | os.X_OK):
+        return  # a read-only results directory is read as it is
     try:
         compact(directory, wait=False)
     except (OSError, pa.ArrowException) as exc:
@@ -214,12 +216,14 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
             except Vanished:
                 continue  # removed by someone else since it was listed: nothing of it to merge
             except Unreadable as exc:
-                if exc.broken:
+                if exc.broken and removable(path):
                     set_aside(directory, path, str(exc))
                 else:
                     warnings.warn(f"{path}: {exc}; left as it is, not merged", stacklevel=2)
                 continue
-            if not newer:  # a newer hpcrun's file stays as it is: merging it here would drop its new columns
+            # a newer hpcrun's file stays as it is (merging it here would drop its new columns), and so does one
+            # this user may not remove: merging it would leave its rows twice, and merge them again at every read
+            if not newer and removable(path):
                 tables.append(data)
                 merged_paths.append(path)
         if len(merged_paths) <= 1:
@@ -227,10 +231,29 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
         merged = _unique(pa.concat_tables(tables))
         _write_atomic(merged, directory / f"compacted-{uuid.uuid4().hex[:12]}.parquet")
         for path in merged_paths:  # exactly the files whose rows the merged file holds
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # its rows are in the merged file too; readers drop the copies
+                warnings.warn(f"{path}: merged but not removed ({exc})", stacklevel=2)
         return len(merged_paths), merged.num_rows
     finally:
         lock.release()
+
+
+def removable(path: Path) -> bool:
+    """Whether this process may remove `path`: its directory is writable and, where that directory
+    is sticky (a results directory a group shares), the file or the directory is this user's."""
+    directory = path.parent
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    uid = os.geteuid()
+    if uid == 0:
+        return True
+    try:
+        held = directory.stat()
+        return not held.st_mode & stat.S_ISVTX or uid in (held.st_uid, path.stat().st_uid)
+    except OSError:
+        return False
 
 
 def set_aside(directory: Path, path: Path, why: str) -> Path:

@@ -243,3 +243,33 @@ def test_compaction_leaves_what_it_did_not_merge(tmp_path: Path) -> None:
     assert (merged, rows) == (2, 3)  # the older file and the current one
     assert sorted(p.name for p in files(tmp_path))[1:] == ["r0__2__0__newer.parquet"]
     assert set(load(tmp_path)["attempt_id"]) == readable | {"current"}
+
+
+def test_compaction_merges_only_files_it_may_remove() -> None:
+    """In a results directory a group shares (sticky, like /tmp), a user may not remove another's
+    files: compaction merges only its own, and never writes a merged copy of rows it cannot
+    remove (which every later read would merge again)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.runs import ROOT
+    from tests.slurmstats import run_as
+
+    shared = Path(tempfile.mkdtemp(prefix="hpcrun-shared-results-"))
+    try:
+        shared.chmod(0o1777)
+        theirs = [write_attempt(shared, row(attempt_id=f"root-{i}")) for i in range(2)]
+        for i in range(2):
+            os.chown(write_attempt(shared, row(attempt_id=f"nobody-{i}")), 65534, 65534)
+        merge = "from hpcrun.results import compact; print(*compact(__import__('sys').argv[1]))"
+        out = subprocess.run([*run_as("65534"), sys.executable, "-c", merge, str(shared)], capture_output=True, text=True,
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(shared)}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["2", "2"]  # its own two files, nobody else's
+        assert all(p.exists() for p in theirs)
+        assert sorted(load(shared)["attempt_id"]) == ["nobody-0", "nobody-1", "root-0", "root-1"]
+        assert len(files(shared)) == 3
+    finally:
+        subprocess.run(["rm", "-rf", str(shared)], check=True)

@@ -162,10 +162,10 @@ class StopVote:
     flushed (and slow ranks probed) at the next flush: one tiny all-reduce (MAX), cast at one
     step's end and read where the next is cast, at least one step and EVERY_S later. Read at once,
     it would hold every step until the slowest rank arrived; read later it has long completed.
-    Each vote also carries the slowest rank's step time, from which every rank computes the same
-    number of steps to the next one. The price: a stop signal is acted on up to two vote
-    intervals after it arrives (README, "Stop latency"). Every rank reads the same result at the
-    same step, so all stop together."""
+    Each vote also carries the slowest step any rank made since the vote before, from which every
+    rank computes the same number of steps to the next one. The price: a stop signal is acted on up
+    to two vote intervals after it arrives (README, "Stop latency"). Every rank reads the same
+    result at the same step, so all stop together."""
 
     EVERY_S = 0.25  # the least time between votes: ~0.2 ms each, nothing measurable at this spacing
 
@@ -174,17 +174,20 @@ class StopVote:
         self.pending: tuple[tp.Any, torch.Tensor] | None = None
         self.next_at: int | None = None  # the step (completed count) of the next vote; None: this one
         self.every = 1
+        self.slowest_s = 0.0  # this rank's slowest step since its last cast
 
     def step_end(self, done: int, total: int, step_s: float, recorder: StepRecorder) -> tuple[int, bool, bool]:
         """At the end of step `done`: the signal number (0: none), the flush wish and the probe
         wish of the vote read here, if one is due (none at an attempt's first step)."""
+        self.slowest_s = max(self.slowest_s, step_s)
         if self.next_at is not None and done < self.next_at:
             return 0, False, False
         signum, flush, probing, step_us = self._read()
         if step_us:
             self.every = max(1, math.ceil(self.EVERY_S * 1e6 / step_us))
         if not signum and done < total:
-            self._cast([self.flag.signum or 0, int(recorder.due(ahead=self.every)), int(recorder.probe_due()), round(step_s * 1e6)])
+            self._cast([self.flag.signum or 0, int(recorder.due(ahead=self.every)), int(recorder.probe_due()), round(self.slowest_s * 1e6)])
+            self.slowest_s = 0.0
             self.next_at = min(done + self.every, total)  # the last step reads it: none left in flight
         return signum, flush, probing
 

@@ -74,4 +74,7 @@ class DDP(Strategy):
 
             hook = default_hooks.bf16_compress_hook if self.comm_hook == "bf16" else default_hooks.fp16_compress_hook
             ddp.register_comm_hook(None, hook)
-        return TorchEngine(ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=True)
+        # DDP re-lays its buckets after the first iteration only where it can (torch's Reducer: static graph, or no
+        # search for unused parameters); PowerSGD counts iterations, which a throwaway pass would shift
+        settle = self.comm_hook != "powersgd" and (self.static_graph or not self.find_unused_parameters)
+        return TorchEngine(ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=settle)
