@@ -11,28 +11,39 @@ from pathlib import Path
 from hpcrun import slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
-from hpcrun.status import controller_alive
+from hpcrun.status import controller_alive, statuses
 
 NOTHING = "no job was submitted for this run (a dry run?), so there is nothing to cancel"
 
 
 def cancel(run_dir: Path) -> str:
     """Cancel the run's latest job; returns its id."""
-    cancelled, skipped = cancel_all([run_dir])
+    cancelled, skipped, ended = cancel_all([run_dir])
     if skipped:
         raise HpcrunError(NOTHING, run_dir)
+    if ended:
+        raise HpcrunError(already_ended(*ended[0]), run_dir)
     return cancelled[0][1]
 
 
-def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path]]:
-    """Cancel every run's latest job: local ones by their controller, SLURM ones with one
-    `scancel` (each array named once, its tasks as one range). Returns the (run dir, job id)
-    pairs cancelled and the run dirs with no job to cancel (dry runs)."""
-    cancelled, on_slurm, skipped = [], [], []
+def already_ended(run_dir: Path, job: str, state: str) -> str:
+    return f"{run_dir.name} had already ended ({state}, job {job}): nothing cancelled"
+
+
+def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path], list[tuple[Path, str, str]]]:
+    """Cancel every run's latest job that has not ended: local ones by their controller, SLURM
+    ones with one `scancel` (each array named once, its tasks as one range). Returns the (run
+    dir, job id) pairs cancelled, the run dirs with no job to cancel (dry runs), and the (run
+    dir, job id, state) of those whose job had already ended, which are left alone."""
+    cancelled, on_slurm, skipped, ended = [], [], [], []
+    current = {s.run_id: s for s in statuses(run_dirs, max_age=0)}  # fresh: a job may have ended a moment ago
     for run_dir in run_dirs:
         job = RunDir(run_dir).latest_job()
+        status = current.get(run_dir.name)
         if job is None:
             skipped.append(run_dir)
+        elif status is not None and status.done:
+            ended.append((run_dir, status.job_id, status.state))
         elif job["scheduler"] == "local":
             if controller_alive(job["job_id"], run_dir):  # not a process that reused the pid since
                 os.kill(int(job["job_id"]), signal.SIGTERM)
@@ -43,4 +54,4 @@ def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path]
         out = slurm.run(["scancel", *slurm.compress_ids([j for _, j in on_slurm])])
         if out.returncode != 0:
             raise HpcrunError(f"scancel failed: {out.stderr.strip() or out.stdout.strip()}")
-    return cancelled + on_slurm, skipped
+    return cancelled + on_slurm, skipped, ended

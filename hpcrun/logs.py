@@ -7,16 +7,23 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpcrun.backend import load_spec
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
 from hpcrun.status import statuses
 
 
 def log_path(run_dir: Path, rank: int, stream: str = "out") -> Path:
-    """A rank's log of the run's latest job (an array's logs sit in the sweep's log folder)."""
+    """A rank's log of the run's latest job (an array's logs sit in the sweep's log folder): one
+    per task, so a rank the run does not have is refused, naming the ones it has."""
     job = RunDir(run_dir).latest_job()
     if job is None:
         raise HpcrunError("no job was submitted for this run (a dry run?), so it has no logs", run_dir)
+    spec = load_spec(run_dir)
+    tasks = spec.nodes * spec.tasks_per_node  # torchrun: one task (and log) per node, whose ranks write into it
+    if not 0 <= rank < tasks:
+        what = "ranks" if spec.tasks_per_node == spec.ranks_per_node else "tasks (one per node: torchrun)"
+        raise HpcrunError(f"the run has {what} 0-{tasks - 1}, so no log for --rank {rank}", run_dir, "--rank")
     return RunDir(run_dir).log(job["job_id"], rank, stream, job.get("log_folder"))
 
 

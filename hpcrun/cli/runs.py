@@ -80,14 +80,18 @@ def logs(site_name: str, run: str, rank: int, follow: bool) -> None:
 @click.argument("run")
 def cancel(site_name: str, run: str) -> None:
     """Cancel RUN (or every run of a sweep id or staged submission)."""
-    from hpcrun.cancel import NOTHING, cancel_all
+    from hpcrun.cancel import NOTHING, already_ended, cancel_all
 
     dirs = run_dirs(site_name, run, many=True)
-    cancelled, skipped = cancel_all(dirs)
-    if skipped and not cancelled:
-        raise HpcrunError(NOTHING, skipped[0]) if len(dirs) == 1 else HpcrunError("none of these runs has a submitted job (dry runs?), so there is nothing to cancel")
+    cancelled, skipped, ended = cancel_all(dirs)
+    if len(dirs) == 1 and not cancelled:
+        raise HpcrunError(NOTHING, skipped[0]) if skipped else HpcrunError(already_ended(*ended[0]))
+    if skipped and not cancelled and not ended:
+        raise HpcrunError("none of these runs has a submitted job (dry runs?), so there is nothing to cancel")
     for run_dir, job in cancelled:
         click.echo(f"cancelled {run_dir.name} (job {job})")
+    for run_dir, job, state in ended:
+        click.echo(f"not cancelled {already_ended(run_dir, job, state)}")
     for run_dir in skipped:
         click.echo(f"not cancelled {run_dir.name}: no job was submitted (a dry run?)")
 
