@@ -8,7 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.helpers import ROOT, cli, write_yaml
+from tests.helpers import cli, write_yaml
 
 
 def entrypoint_recipe(tmp_path: Path, entrypoint: str, pythonpath: list[str]) -> Path:
