@@ -23,15 +23,26 @@ METRICS = {
 }
 
 
+# what makes two runs' numbers different measurements: a group averaging over any of these says so
+MEASURES = ["model", "micro_batch", "seq_len", "precision", "world_size"]
+
+
 def compare(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Completed runs grouped by `keys`: throughput, MFU, step time and memory, and with
     `nodes` among the keys the scaling efficiency per GPU against the smallest node count of
-    the same group."""
+    the same group. `strategy` groups by the label the report uses (`zero2`, `zero3+nvme`), and
+    `mixes` names what the runs of a group differ in among MEASURES (empty when nothing)."""
     unknown = [k for k in keys if k not in df.columns]
     if unknown:
         raise HpcrunError(f"unknown column(s) {', '.join(unknown)}", field="--compare")
-    done = df[df["status"] == "completed"]
-    table = done.groupby(keys, dropna=False).agg(METRICS).rename(columns={"run_id": "runs"}).reset_index()
+    done = df[df["status"] == "completed"].copy()
+    if "strategy" in keys:
+        done["strategy"] = strategy_label(done)
+    measures = [m for m in MEASURES if m not in keys and m in done.columns]
+    aggregations = {**METRICS, **{m: lambda values: values.nunique(dropna=False) > 1 for m in measures}}
+    table = done.groupby(keys, dropna=False).agg(aggregations).rename(columns={"run_id": "runs"}).reset_index()
+    table["mixes"] = [", ".join(m for m in measures if row[m]) for _, row in table.iterrows()] if len(table) else []
+    table = table.drop(columns=measures)
     if "nodes" in keys and len(table):
         others = [k for k in keys if k != "nodes"]
         base = table.loc[table.groupby(others, dropna=False)["nodes"].idxmin()] if others else table.loc[[table["nodes"].idxmin()]]

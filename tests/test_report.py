@@ -200,3 +200,21 @@ def test_report_from_real_runs(tmp_path: Path) -> None:
     losses = [attrs for attrs, _ in data_uris(page) if attrs["data-figure"].startswith("loss")]
     assert len(losses) == 1 and sorted(json.loads(html.unescape(losses[0]["data-series"]))) == ["ddp", "fsdp"]
     assert re.search(r'<tr class="good"><td class="t">agree</td><td class="t">tiny</td><td class="t">ddp, fsdp</td>', page), page[-3000:]
+
+
+def test_bar_labels_of_seven_strategies_do_not_overlap() -> None:
+    """Seven strategies in the half-page throughput panel: no two tick labels share a pixel."""
+    import pandas as pd
+
+    from hpcrun.report.figures import _bars, _pyplot, colours
+
+    labels = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3+cpu", "zero3+nvme"]
+    table = pd.DataFrame({"label": labels * 2, "nodes": [1] * 7 + [2] * 7, "tokens_per_s_per_gpu": [5e3] * 14})
+    fig, (left, _) = _pyplot().subplots(1, 2, figsize=(9, 3.8))  # as figures.per_gpu lays it out
+    assert _bars(left, table, "tokens_per_s_per_gpu", 1e-3, colours(labels), "k tokens/s per GPU")
+    fig.tight_layout()
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in left.get_xticklabels()]
+    assert [t.get_text().replace("\n", "") for t in left.get_xticklabels()] == labels
+    overlaps = [(labels[i], labels[j]) for i in range(7) for j in range(i + 1, 7) if boxes[i].overlaps(boxes[j])]
+    assert not overlaps, overlaps

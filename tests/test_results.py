@@ -273,3 +273,20 @@ def test_compaction_merges_only_files_it_may_remove() -> None:
         assert len(files(shared)) == 3
     finally:
         subprocess.run(["rm", "-rf", str(shared)], check=True)
+
+
+def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
+    """ZeRO stages and offloads are separate rows (as in the report), a group that averages runs
+    measuring different things says so, and the table reads in one unit per column."""
+    for stage, offload, model, rate in [(1, "none", "tiny", 11990.0), (2, "none", "tiny", 9920.0), (3, "cpu", "tiny", 8000.0),
+                                        (3, "nvme", "tiny", 7000.0), (3, "nvme", "small", 3000.0)]:
+        write_attempt(tmp_path, row(run_id=f"z{stage}{offload}{model}", strategy="deepspeed", zero_stage=stage, offload_optimizer=offload,
+                                    offload_param="none", model=model, tokens_per_s=rate))
+    out = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "json")
+    assert out.exit_code == 0, out.output
+    table_ = pd.read_json(__import__("io").StringIO(out.stdout))
+    assert list(table_["strategy"]) == ["zero1", "zero2", "zero3+cpu", "zero3+nvme"]
+    assert list(table_["runs"]) == [1, 1, 1, 2] and list(table_["mixes"].fillna("")) == ["", "", "", "model"]
+    assert "warning: strategy=zero3+nvme, nodes=1 averages runs that differ in model" in out.stderr
+    shown = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes").stdout
+    assert "12 k" in shown and "9.92 k" in shown and "e+0" not in shown, shown

@@ -46,6 +46,19 @@ def _emit(df: tp.Any, fmt: str) -> None:
         click.echo(tabulate(table, headers="keys", tablefmt="github" if fmt == "markdown" else "simple", showindex=False, floatfmt=".4g"))
 
 
+def _human(table: tp.Any) -> tp.Any:
+    """A comparison in the report's units (k tokens/s, %, ms, GB): one format per column."""
+    from hpcrun.report import units
+
+    shown = table.copy()
+    for column, unit in (("tokens_per_s", units.kilo), ("tokens_per_s_per_gpu", units.kilo), ("mfu", units.percent),
+                         ("scaling_efficiency", units.percent), ("step_time_p50_s", units.milliseconds),
+                         ("peak_memory_bytes", units.gigabytes)):
+        if column in shown.columns:
+            shown[column] = [unit(value) for value in shown[column]]
+    return shown
+
+
 tolerance_option = click.option(
     "--tolerance", type=click.FloatRange(min=0), default=None,
     help="Relative loss difference above which strategies disagree (default 1e-3: fp32; use ~1e-2 for bf16/fp16).",
@@ -68,7 +81,12 @@ def results(
     if compare_keys:
         from hpcrun.compare import compare
 
-        _emit(compare(df, [k.strip() for k in compare_keys.split(",") if k.strip()]), fmt)
+        keys = [k.strip() for k in compare_keys.split(",") if k.strip()]
+        table = compare(df, keys)
+        _emit(table if fmt in ("csv", "json") else _human(table), fmt)
+        for _, row in table[table["mixes"] != ""].iterrows():
+            group = ", ".join(f"{k}={row[k]}" for k in keys)
+            click.echo(f"warning: {group} averages runs that differ in {row['mixes']}: compare like with like", err=True)
         if fmt in ("table", "markdown"):  # csv and json stay one machine-readable table
             from hpcrun.compare import AGREE_TOLERANCE
             from hpcrun.site import load_site

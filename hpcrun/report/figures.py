@@ -92,7 +92,8 @@ def _bars(ax: Axes, table: pd.DataFrame, column: str, scale: float, palette: dic
             x = i + (j - (len(node_counts) - 1) / 2) * width
             ax.bar(x, value, width * 0.95, color=palette[label], alpha=1.0 - 0.35 * j / max(1, len(node_counts) - 1) if len(node_counts) > 1 else 1.0)
             ax.annotate(f"{nodes}n", (x, value), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(labels)), labels)
+    # side by side, seven names like `zero3+nvme` overlap in half a page's width: each option on a line of its own
+    ax.set_xticks(range(len(labels)), [label.replace("+", "\n+") for label in labels] if len(labels) > 3 else labels)
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", alpha=0.3)
     return True
