@@ -48,7 +48,15 @@ def as_user(base: Path, *args: str) -> tuple[float, str, tuple[int, int]]:
 def site(base: Path, partition: str, nodes: int) -> Path:
     data = yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())
     data.update(name="campaign-scale", default_partition=partition)
-    data["partitions"] = {partition: {"max_nodes": nodes, "gpus_per_node": 0, "cpus_per_node": 2, "memory_gb": 3.9, "max_time": "01:00:00"}}
+    data["partitions"] = {
+        partition: {
+            "max_nodes": nodes,
+            "gpus_per_node": 0,
+            "cpus_per_node": 2,
+            "memory_gb": 3.9,
+            "max_time": "01:00:00",
+        }
+    }
     data["storage"] = {"runs_dir": str(base / "runs"), "results_dir": str(base / "results")}
     path = base / "site.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -75,10 +83,23 @@ def measure(size: int, partition: str, nodes: int) -> dict[str, tp.Any]:
         sweep = next((base / "runs" / "sweeps").iterdir()).name
         cold_s, shown, cold_rpc = as_user(base, "status", "--site", str(where), sweep)
         warm_s, _, warm_rpc = as_user(base, "status", "--site", str(where), sweep)
-        assert re.match(r"done \d+  running \d+  pending \d+  failed 0", shown.splitlines()[0]) and shown.count("\n") == size + 1, shown[:300]
+        assert (
+            re.match(r"done \d+  running \d+  pending \d+  failed 0", shown.splitlines()[0])
+            and shown.count("\n") == size + 1
+        ), shown[:300]
         cancel_s, _, cancel_rpc = as_user(base, "cancel", "--site", str(where), sweep)
-        return {"points": size, "arrays": arrays, "sweep_s": submit_s, "sweep_rpc": submit_rpc, "cold_s": cold_s, "cold_rpc": cold_rpc,
-                "warm_s": warm_s, "warm_rpc": warm_rpc, "cancel_s": cancel_s, "cancel_rpc": cancel_rpc}
+        return {
+            "points": size,
+            "arrays": arrays,
+            "sweep_s": submit_s,
+            "sweep_rpc": submit_rpc,
+            "cold_s": cold_s,
+            "cold_rpc": cold_rpc,
+            "warm_s": warm_s,
+            "warm_rpc": warm_rpc,
+            "cancel_s": cancel_s,
+            "cancel_rpc": cancel_rpc,
+        }
     finally:
         subprocess.run(["scancel", "-u", USER], capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
@@ -89,22 +110,34 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,1000,5000")
     parser.add_argument("--partition", default="scale")
     args = parser.parse_args()
-    nodes = len(set(subprocess.run(["sinfo", "-h", "-p", args.partition, "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()))
+    nodes = len(
+        set(
+            subprocess.run(
+                ["sinfo", "-h", "-p", args.partition, "-N", "-o", "%N"], capture_output=True, text=True
+            ).stdout.split()
+        )
+    )
     if not nodes:
         raise SystemExit(f"no partition {args.partition!r}: bring the test cluster up with --nodes 8")
     rows = [measure(int(n), args.partition, nodes) for n in args.sizes.split(",")]
-    print("| points | sbatch calls (arrays) | `hpcrun sweep` | RPCs ctld/dbd | cold `status` | RPCs ctld/dbd | warm `status` | RPCs | `cancel` | RPCs ctld/dbd |")
+    print(
+        "| points | sbatch calls (arrays) | `hpcrun sweep` | RPCs ctld/dbd | cold `status` | RPCs ctld/dbd | warm `status` | RPCs | `cancel` | RPCs ctld/dbd |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['points']:,} | {r['arrays']} | {r['sweep_s']:.1f} s | {r['sweep_rpc'][0]}/{r['sweep_rpc'][1]} | {r['cold_s']:.2f} s | "
-              f"{r['cold_rpc'][0]}/{r['cold_rpc'][1]} | {r['warm_s']:.2f} s | {r['warm_rpc'][0]}/{r['warm_rpc'][1]} | {r['cancel_s']:.2f} s | "
-              f"{r['cancel_rpc'][0]}/{r['cancel_rpc'][1]} |")
+        print(
+            f"| {r['points']:,} | {r['arrays']} | {r['sweep_s']:.1f} s | {r['sweep_rpc'][0]}/{r['sweep_rpc'][1]} | {r['cold_s']:.2f} s | "
+            f"{r['cold_rpc'][0]}/{r['cold_rpc'][1]} | {r['warm_s']:.2f} s | {r['warm_rpc'][0]}/{r['warm_rpc'][1]} | {r['cancel_s']:.2f} s | "
+            f"{r['cancel_rpc'][0]}/{r['cancel_rpc'][1]} |"
+        )
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         per = 1000 / (last["points"] - first["points"])
-        print(f"slope per 1,000 points: sweep {per * (last['sweep_s'] - first['sweep_s']):.2f} s, cold status {per * (last['cold_s'] - first['cold_s']):.2f} s, "
-              f"warm status {per * (last['warm_s'] - first['warm_s']):.2f} s, cancel {per * (last['cancel_s'] - first['cancel_s']):.2f} s; "
-              f"RPCs per status poll: {last['cold_rpc'][1]} (slurmdbd) at {last['points']:,} points vs {first['cold_rpc'][1]} at {first['points']:,}")
+        print(
+            f"slope per 1,000 points: sweep {per * (last['sweep_s'] - first['sweep_s']):.2f} s, cold status {per * (last['cold_s'] - first['cold_s']):.2f} s, "
+            f"warm status {per * (last['warm_s'] - first['warm_s']):.2f} s, cancel {per * (last['cancel_s'] - first['cancel_s']):.2f} s; "
+            f"RPCs per status poll: {last['cold_rpc'][1]} (slurmdbd) at {last['points']:,} points vs {first['cold_rpc'][1]} at {first['points']:,}"
+        )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     tmp = scratch("ckpt-cost-", args.dir)
     env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "bench", "localhost", "bench")
-    recipe = Recipe.model_validate({"name": "c", "job": {"kind": "benchmark", "model": args.model}, "training": {"micro_batch": 2, "seq_len": 128}})
+    recipe = Recipe.model_validate(
+        {"name": "c", "job": {"kind": "benchmark", "model": args.model}, "training": {"micro_batch": 2, "seq_len": 128}}
+    )
     size = SIZES[args.model]
     if args.threads:
         ckpt.WRITER_THREADS = args.threads
@@ -110,22 +112,47 @@ def main() -> None:
             k += 1
             background.poll()
         (tmp / f"disk-{n}").unlink()
-        rows.append({"disk": disk, "sync_stall": sync_stall, "stall": stall, "cost": spent - k * step, "in_flight": k, "writer": nbytes / (idle_write - copy), "end_to_end": nbytes / idle_write})
-        print(f"round {n}{' (warm-up)' if n <= args.warmup_rounds else ''}: disk {disk / 2**20:.0f} MiB/s, synchronous {nbytes / sync_stall / disk:.2f} of it, asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
-              f"asynchronous stall {stall:.2f} s, with slowed steps {rows[-1]['cost']:.2f} s ({k} steps in flight)", flush=True)
+        rows.append(
+            {
+                "disk": disk,
+                "sync_stall": sync_stall,
+                "stall": stall,
+                "cost": spent - k * step,
+                "in_flight": k,
+                "writer": nbytes / (idle_write - copy),
+                "end_to_end": nbytes / idle_write,
+            }
+        )
+        print(
+            f"round {n}{' (warm-up)' if n <= args.warmup_rounds else ''}: disk {disk / 2**20:.0f} MiB/s, synchronous {nbytes / sync_stall / disk:.2f} of it, asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
+            f"asynchronous stall {stall:.2f} s, with slowed steps {rows[-1]['cost']:.2f} s ({k} steps in flight)",
+            flush=True,
+        )
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     interval = Recipe.model_fields["checkpoint"].default.interval
     share = lambda s: s / (s + interval * step) * 100  # noqa: E731
     mib = 2**20
-    print(f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {ckpt.WRITER_THREADS}, CRC32 {'off' if args.no_crc else 'on'}, medians of {len(rows)} rounds:")
+    print(
+        f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {ckpt.WRITER_THREADS}, CRC32 {'off' if args.no_crc else 'on'}, medians of {len(rows)} rounds:"
+    )
     print(f"disk sequential write (fsync, same size, new file): {med('disk') / mib:.0f} MiB/s")
     sync_stall = med("sync_stall")
-    print(f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, "
-          f"bandwidth {statistics.median(nbytes / r['sync_stall'] / r['disk'] for r in rows):.2f} of disk")
-    print(f"asynchronous save: stall {med('stall'):.2f} s = {med('stall') / step:.2f} step times (target <= 1), {share(med('stall')):.2f}% of wall time (target < 1%)")
-    print(f"asynchronous save: stall + steps slowed while writing ({med('in_flight')} steps) {med('cost'):.2f} s = {med('cost') / step:.2f} step times, {share(med('cost')):.2f}% of wall time")
-    print(f"asynchronous save, background write after the copy (idle): {med('writer') / mib:.0f} MiB/s = {statistics.median(r['writer'] / r['disk'] for r in rows):.2f} of disk (target >= 0.7)")
-    print(f"asynchronous save, copy and write together (idle): {med('end_to_end') / mib:.0f} MiB/s = {statistics.median(r['end_to_end'] / r['disk'] for r in rows):.2f} of disk")
+    print(
+        f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, "
+        f"bandwidth {statistics.median(nbytes / r['sync_stall'] / r['disk'] for r in rows):.2f} of disk"
+    )
+    print(
+        f"asynchronous save: stall {med('stall'):.2f} s = {med('stall') / step:.2f} step times (target <= 1), {share(med('stall')):.2f}% of wall time (target < 1%)"
+    )
+    print(
+        f"asynchronous save: stall + steps slowed while writing ({med('in_flight')} steps) {med('cost'):.2f} s = {med('cost') / step:.2f} step times, {share(med('cost')):.2f}% of wall time"
+    )
+    print(
+        f"asynchronous save, background write after the copy (idle): {med('writer') / mib:.0f} MiB/s = {statistics.median(r['writer'] / r['disk'] for r in rows):.2f} of disk (target >= 0.7)"
+    )
+    print(
+        f"asynchronous save, copy and write together (idle): {med('end_to_end') / mib:.0f} MiB/s = {statistics.median(r['end_to_end'] / r['disk'] for r in rows):.2f} of disk"
+    )
     dist.destroy_process_group()
 
 

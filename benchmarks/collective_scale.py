@@ -47,7 +47,9 @@ def rank_main(rank: int, world: int, port: int, reduces: int, out: str) -> None:
     dist.barrier()
     if rank == 0:
         files = sum(1 for p in ckpt.rglob("*") if p.is_file())
-        Path(out, "result.json").write_text(json.dumps({"rendezvous_s": rendezvous, "reduce_us": [t * 1e6 for t in times], "files": files}))
+        Path(out, "result.json").write_text(
+            json.dumps({"rendezvous_s": rendezvous, "reduce_us": [t * 1e6 for t in times], "files": files})
+        )
     dist.destroy_process_group()
 
 
@@ -58,7 +60,13 @@ def measure(world: int, reduces: int) -> dict[str, float]:
     mp.spawn(rank_main, args=(world, 29500 + world + os.getpid() % 500, reduces, out), nprocs=world)
     data = json.loads(Path(out, "result.json").read_text())
     us = sorted(data["reduce_us"])
-    return {"world": world, "rendezvous_s": data["rendezvous_s"], "reduce_p50_us": statistics.median(us), "reduce_p90_us": us[int(0.9 * len(us))], "files": data["files"]}
+    return {
+        "world": world,
+        "rendezvous_s": data["rendezvous_s"],
+        "reduce_p50_us": statistics.median(us),
+        "reduce_p90_us": us[int(0.9 * len(us))],
+        "files": data["files"],
+    }
 
 
 def main() -> None:
@@ -71,12 +79,16 @@ def main() -> None:
     print("| ranks | rendezvous (init + barrier) | stop-flag all-reduce p50 | p90 | files per DCP save |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['world']} | {r['rendezvous_s']:.2f} s | {r['reduce_p50_us']:.0f} µs | {r['reduce_p90_us']:.0f} µs | {r['files']} |")
+        print(
+            f"| {r['world']} | {r['rendezvous_s']:.2f} s | {r['reduce_p50_us']:.0f} µs | {r['reduce_p90_us']:.0f} µs | {r['files']} |"
+        )
     first, last = rows[0], rows[-1]
     span = last["world"] - first["world"]
     if span:
-        print(f"slope per added rank: rendezvous {(last['rendezvous_s'] - first['rendezvous_s']) / span * 1e3:.1f} ms, "
-              f"all-reduce p50 {(last['reduce_p50_us'] - first['reduce_p50_us']) / span:.1f} µs, files {(last['files'] - first['files']) / span:.1f}")
+        print(
+            f"slope per added rank: rendezvous {(last['rendezvous_s'] - first['rendezvous_s']) / span * 1e3:.1f} ms, "
+            f"all-reduce p50 {(last['reduce_p50_us'] - first['reduce_p50_us']) / span:.1f} µs, files {(last['files'] - first['files']) / span:.1f}"
+        )
 
 
 if __name__ == "__main__":

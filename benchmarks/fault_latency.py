@@ -61,8 +61,13 @@ def one(tmp: Path, fault: str, n: int) -> str:
     if fault == "hang":
         recipe["fault"] = {"hang_timeout_s": HANG_TIMEOUT_S}
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(tmp / "site.yaml"), str(tmp / "recipe.yaml")],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(tmp / "site.yaml"), str(tmp / "recipe.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     run_dir = Path(next(ln.split("run dir:")[1].strip() for ln in out.splitlines() if "run dir:" in ln))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     while not any((run_dir / "checkpoints").glob("step-*")):
@@ -106,8 +111,10 @@ def main() -> None:
     args = parser.parse_args()
     tmp = scratch("fault-latency-", "/var/tmp")
     scratch_site(tmp, "testcluster", name="latency")
-    print(f"SLURM: requeue hold (AuthInfo cred_expire) {config('cred_expire=', '120')} s, SlurmdTimeout {config('SlurmdTimeout', '300')}, "
-          f"KillWait {config('KillWait', '30')}; hang timeout {HANG_TIMEOUT_S} s")
+    print(
+        f"SLURM: requeue hold (AuthInfo cred_expire) {config('cred_expire=', '120')} s, SlurmdTimeout {config('SlurmdTimeout', '300')}, "
+        f"KillWait {config('KillWait', '30')}; hang timeout {HANG_TIMEOUT_S} s"
+    )
     print("| fault | run | fault -> no rank left | fault -> first resumed step completed |")
     print("|---|---|---|---|")
     for fault in args.faults.split(","):

@@ -32,14 +32,27 @@ def gpu_partition() -> dict[str, object]:
         raise SystemExit(f"no dense bf16 peak known for {name!r}: add it to PEAK_BF16")
     memory = torch.cuda.get_device_properties(0).total_memory / 1e9
     return {
-        "max_nodes": 1, "gpus_per_node": torch.cuda.device_count(), "cpus_per_node": "auto", "memory_gb": 64, "max_time": "1-00:00:00",
-        "gpu": {"model": name.removeprefix("NVIDIA ").replace(" ", "-"), "memory_gb": round(memory), "peak_tflops_bf16": peak},  # a site token
+        "max_nodes": 1,
+        "gpus_per_node": torch.cuda.device_count(),
+        "cpus_per_node": "auto",
+        "memory_gb": 64,
+        "max_time": "1-00:00:00",
+        "gpu": {
+            "model": name.removeprefix("NVIDIA ").replace(" ", "-"),
+            "memory_gb": round(memory),
+            "peak_tflops_bf16": peak,
+        },  # a site token
     }
 
 
 def planned(site: Path, recipe: Path, option: str) -> str:
     """The planner's line for `option`: its estimate per GPU and whether it fits."""
-    out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "plan", "--site", str(site), str(recipe)], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrun.cli", "plan", "--site", str(site), str(recipe)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     for line in out.stdout.splitlines():
         parts = re.split(r"\s{2,}", line.strip())
         if parts[0] == option:
@@ -50,9 +63,13 @@ def planned(site: Path, recipe: Path, option: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="1.3b")
-    parser.add_argument("--strategies", default="ddp,fsdp-full,zero2,zero3", help="the planner's option names (hpcrun plan)")
+    parser.add_argument(
+        "--strategies", default="ddp,fsdp-full,zero2,zero3", help="the planner's option names (hpcrun plan)"
+    )
     parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--micro-batch", type=int, default=2, help="2 x 2048 tokens: what the planner fits for 1.3b on 80 GB")
+    parser.add_argument(
+        "--micro-batch", type=int, default=2, help="2 x 2048 tokens: what the planner fits for 1.3b on 80 GB"
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -66,7 +83,14 @@ def main() -> None:
     if args.cpu_check:
         model, precision, device = "tiny", "fp32", "CPU (--cpu-check)"
         # a stand-in peak: MFU means nothing here
-        partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": "auto", "memory_gb": 16, "max_time": "1-00:00:00", "cpu_peak_tflops_per_rank": 0.05}
+        partition = {
+            "max_nodes": 1,
+            "gpus_per_node": 0,
+            "cpus_per_node": "auto",
+            "memory_gb": 16,
+            "max_time": "1-00:00:00",
+            "cpu_peak_tflops_per_rank": 0.05,
+        }
     else:
         model, precision, partition = args.model, "bf16-mixed", gpu_partition()
         device = partition["gpu"]["model"]  # type: ignore[index]
@@ -77,16 +101,29 @@ def main() -> None:
     best = None
     for name in args.strategies.split(","):
         recipe = {
-            "name": f"mfu-{name}", "job": {"kind": "benchmark", "model": model}, "precision": precision, "strategy": recipes[name],
+            "name": f"mfu-{name}",
+            "job": {"kind": "benchmark", "model": model},
+            "precision": precision,
+            "strategy": recipes[name],
             "resources": {"nodes": 1, "gpus_per_node": args.gpus, "time": "01:00:00"},
-            "training": {"steps": args.steps, "warmup_steps": args.warmup, "micro_batch": args.micro_batch,
-                         "seq_len": 64 if args.cpu_check else args.seq_len, "activation_checkpointing": args.activation_checkpointing},
+            "training": {
+                "steps": args.steps,
+                "warmup_steps": args.warmup,
+                "micro_batch": args.micro_batch,
+                "seq_len": 64 if args.cpu_check else args.seq_len,
+                "activation_checkpointing": args.activation_checkpointing,
+            },
             "checkpoint": {"interval": 10**6},  # throughput only: the one save at the end is not timed
         }
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(recipe))
         fits = planned(site, path, name)
-        out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(site), "--wait", str(path)], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "hpcrun.cli", "submit", "--site", str(site), "--wait", str(path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         rows = load(tmp / "results")
         rows = rows[rows["run_id"].str.endswith(f"mfu-{name}")]
         if out.returncode != 0 or rows.empty or rows.iloc[-1]["status"] != "completed":
@@ -94,11 +131,17 @@ def main() -> None:
             print(f"{name:14} {'failed':>13}  {reason}  [{fits}]")
             continue
         row = rows.iloc[-1]
-        print(f"{name:14} {row['tokens_per_s_per_gpu']:13.0f} {row['tflops_per_gpu']:11.1f} {row['mfu'] * 100:6.1f}% {row['peak_memory_bytes'] / 2**30:9.1f}  [{fits}]", flush=True)
+        print(
+            f"{name:14} {row['tokens_per_s_per_gpu']:13.0f} {row['tflops_per_gpu']:11.1f} {row['mfu'] * 100:6.1f}% {row['peak_memory_bytes'] / 2**30:9.1f}  [{fits}]",
+            flush=True,
+        )
         if best is None or row["mfu"] > best[1]:
             best = (name, float(row["mfu"]))
     if best:
-        print(f"best: {best[0]} at {best[1] * 100:.1f}% MFU" + ("" if args.cpu_check else " (target >= 45% for a ~1B model on one H100/H200)"))
+        print(
+            f"best: {best[0]} at {best[1] * 100:.1f}% MFU"
+            + ("" if args.cpu_check else " (target >= 45% for a ~1B model on one H100/H200)")
+        )
 
 
 if __name__ == "__main__":

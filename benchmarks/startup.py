@@ -33,7 +33,17 @@ def main() -> None:
     base = timed([py, "-c", "pass"], args.repeat)
     cases = {
         "hpcrun --help": [py, "-m", "hpcrun.cli", "--help"],
-        "hpcrun render": [py, "-m", "hpcrun.cli", "render", "--site", "mycluster", "--run-id", "x", "jobs/quickstart.yaml"],
+        "hpcrun render": [
+            py,
+            "-m",
+            "hpcrun.cli",
+            "render",
+            "--site",
+            "mycluster",
+            "--run-id",
+            "x",
+            "jobs/quickstart.yaml",
+        ],
     }
     print(f"python -c pass: {base * 1000:.0f} ms (median of {args.repeat})")
     for name, cmd in cases.items():

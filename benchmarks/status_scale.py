@@ -33,12 +33,31 @@ def runs(tmp: Path, count: int, with_progress: bool) -> list[Path]:
         run_dir.mkdir(parents=True)
         job = str(100000 + index)
         (run_dir / "runspec.json").write_text("{}")
-        (run_dir / "jobs.json").write_text(json.dumps([{"job_id": job, "scheduler": "slurm", "submitted": now - 3600, "log_folder": str(run_dir / "logs")}], indent=1))
+        (run_dir / "jobs.json").write_text(
+            json.dumps(
+                [{"job_id": job, "scheduler": "slurm", "submitted": now - 3600, "log_folder": str(run_dir / "logs")}],
+                indent=1,
+            )
+        )
         if with_progress:
-            (run_dir / "progress.json").write_text(json.dumps({
-                "step": 400 + index, "total": 5000, "loss": 3.0 + index / 1000, "tokens_per_s": 51234.5, "step_time_s": 0.8,
-                "eta_s": (5000 - 400 - index) * 0.8, "updated": now - 5, "job_id": job, "restart_count": index % 3,
-                "checkpoint_step": 400, }, indent=1, sort_keys=True))
+            (run_dir / "progress.json").write_text(
+                json.dumps(
+                    {
+                        "step": 400 + index,
+                        "total": 5000,
+                        "loss": 3.0 + index / 1000,
+                        "tokens_per_s": 51234.5,
+                        "step_time_s": 0.8,
+                        "eta_s": (5000 - 400 - index) * 0.8,
+                        "updated": now - 5,
+                        "job_id": job,
+                        "restart_count": index % 3,
+                        "checkpoint_step": 400,
+                    },
+                    indent=1,
+                    sort_keys=True,
+                )
+            )
         dirs.append(run_dir)
     return dirs
 
@@ -63,7 +82,13 @@ def fake_sacct(tmp: Path, count: int) -> Path:
 
 def cli_seconds(site: Path, env: dict[str, str]) -> tuple[float, str]:
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "hpcrun.cli", "status", "--site", str(site)], capture_output=True, text=True, env=env, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrun.cli", "status", "--site", str(site)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"hpcrun status exited {out.returncode}: {out.stderr}")
@@ -109,11 +134,17 @@ def main() -> None:
 
     print(f"hpcrun status of {args.runs} running runs (one sacct call each time), median of {args.rounds} rounds:")
     for name, (cli, inproc) in results.items():
-        print(f"  {name:30} end to end {statistics.median(cli):.2f} s   in-process statuses() {statistics.median(inproc):.3f} s")
+        print(
+            f"  {name:30} end to end {statistics.median(cli):.2f} s   in-process statuses() {statistics.median(inproc):.3f} s"
+        )
     (cli, inproc), (base_cli, base_inproc) = results.values()
     end_to_end = statistics.median(cli)
-    print(f"ratio to baseline: end to end {end_to_end / statistics.median(base_cli):.2f}, in-process {statistics.median(inproc) / statistics.median(base_inproc):.2f}")
-    print(f"target < {TARGET_S:.0f} s end to end: {'met' if end_to_end < TARGET_S else 'NOT met'} ({end_to_end / TARGET_S:.2f} of the budget)")
+    print(
+        f"ratio to baseline: end to end {end_to_end / statistics.median(base_cli):.2f}, in-process {statistics.median(inproc) / statistics.median(base_inproc):.2f}"
+    )
+    print(
+        f"target < {TARGET_S:.0f} s end to end: {'met' if end_to_end < TARGET_S else 'NOT met'} ({end_to_end / TARGET_S:.2f} of the budget)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,23 @@ def main() -> None:
     os.environ["PATH"] = f"{bindir}:{os.environ['PATH']}"
     scratch_site(tmp, "mycluster")
     recipe = {
-        "name": "scale", "job": {"kind": "benchmark", "model": "tiny"}, "resources": {"gpus_per_node": 8, "time": "01:00:00"},
-        "sweep": {"axes": {
-            "strategy": ["ddp", {"name": "fsdp"}, {"name": "deepspeed", "stage": 2}, {"name": "deepspeed", "stage": 3}],
-            "resources.nodes": [1, 2, 4, 8, 16],
-            "training.micro_batch": [1, 2, 4, 8, 16],
-            "training.seed": list(range(10)),
-        }, "max_concurrent": 50},
+        "name": "scale",
+        "job": {"kind": "benchmark", "model": "tiny"},
+        "resources": {"gpus_per_node": 8, "time": "01:00:00"},
+        "sweep": {
+            "axes": {
+                "strategy": [
+                    "ddp",
+                    {"name": "fsdp"},
+                    {"name": "deepspeed", "stage": 2},
+                    {"name": "deepspeed", "stage": 3},
+                ],
+                "resources.nodes": [1, 2, 4, 8, 16],
+                "training.micro_batch": [1, 2, 4, 8, 16],
+                "training.seed": list(range(10)),
+            },
+            "max_concurrent": 50,
+        },
     }
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
 
@@ -65,7 +75,9 @@ def main() -> None:
     out = schedule(s, rf)
     submit_time = time.perf_counter() - start
     sbatch_calls = log.read_text().count("sbatch")
-    print(f"hpcrun sweep: {len(out.submitted)} points in {sbatch_calls} sbatch calls ({len(out.arrays)} arrays), {submit_time:.1f} s")
+    print(
+        f"hpcrun sweep: {len(out.submitted)} points in {sbatch_calls} sbatch calls ({len(out.arrays)} arrays), {submit_time:.1f} s"
+    )
 
     from hpcrun.status import statuses
 

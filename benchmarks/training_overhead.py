@@ -40,7 +40,9 @@ from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
 PARTITION = "batch"  # the test cluster's first pool
 
 
-def bare(rank: int, world: int, local_world: int, model: str, steps: int, warmup: int, mb: int, seq: int, out: str) -> None:
+def bare(
+    rank: int, world: int, local_world: int, model: str, steps: int, warmup: int, mb: int, seq: int, out: str
+) -> None:
     """The bare DDP loop, one rank; MASTER_ADDR/MASTER_PORT and GLOO_SOCKET_IFNAME set by the caller."""
     import torch
     import torch.distributed as dist
@@ -53,7 +55,9 @@ def bare(rank: int, world: int, local_world: int, model: str, steps: int, warmup
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     size = SIZES[model]
-    ddp = DistributedDataParallel(GPT(size, seq), gradient_as_bucket_view=True)  # as hpcrun's default, so only the harness differs
+    ddp = DistributedDataParallel(
+        GPT(size, seq), gradient_as_bucket_view=True
+    )  # as hpcrun's default, so only the harness differs
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     times = []
     for step in range(steps):
@@ -72,7 +76,9 @@ def bare(rank: int, world: int, local_world: int, model: str, steps: int, warmup
 
 
 def bare_spawned(rank: int, world: int, port: int, args: tuple[object, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # as the local site gives hpcrun's ranks
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo"
+    )  # as the local site gives hpcrun's ranks
     bare(rank, world, world, *args)  # type: ignore[arg-type]
 
 
@@ -92,8 +98,22 @@ def run_bare_cluster(args: argparse.Namespace, tmp: Path, n: int) -> float:
     """The bare loop as a SLURM job of 2 nodes x 2 tasks, the network set up as hpcrun's
     script sets it for the test cluster (sites/testcluster.yaml)."""
     out = tmp / f"bare{n}.txt"
-    call = [sys.executable, str(Path(__file__).resolve()), "--bare-rank", str(out), "--model", args.model, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
+    call = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--bare-rank",
+        str(out),
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--seq-len",
+        str(args.seq_len),
+    ]
     script = tmp / f"bare{n}.sh"
     script.write_text(f"""#!/bin/bash
 #SBATCH --partition={PARTITION} --nodes=2 --ntasks-per-node=2 --time=00:30:00 --output={tmp}/bare{n}.log
@@ -103,7 +123,11 @@ export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 srun {shlex.join(call)}
 """)
-    job = subprocess.run(["sbatch", "--parsable", str(script)], check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
+    job = (
+        subprocess.run(["sbatch", "--parsable", str(script)], check=True, capture_output=True, text=True)
+        .stdout.strip()
+        .split(";")[0]
+    )
     wait_slurm_job(job)
     if not out.exists():
         raise SystemExit(f"the bare loop's job {job} wrote nothing: see {tmp}/bare{n}.log")
@@ -112,7 +136,9 @@ srun {shlex.join(call)}
 
 def wait_slurm_job(job: str) -> None:
     while True:
-        line = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True).stdout.strip()
+        line = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True
+        ).stdout.strip()
         if line and line.split()[0] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
             if line.split()[0] != "COMPLETED":
                 raise SystemExit(f"job {job} ended {line}")
@@ -146,14 +172,26 @@ def shares_of(tmp: Path, run_id: str) -> dict[str, float]:
     return shares
 
 
-def run_hpcrun(args: argparse.Namespace, tmp: Path, n: int, shares: list[dict[str, float]], probe: bool = True) -> float:
+def run_hpcrun(
+    args: argparse.Namespace, tmp: Path, n: int, shares: list[dict[str, float]], probe: bool = True
+) -> float:
     from hpcrun.results import load
 
     name = f"overhead{n}" + ("" if probe else "noprobe")
-    resources = {"nodes": 2, "gpus_per_node": 2, "partition": PARTITION} if args.cluster else {"nodes": 1, "gpus_per_node": 2}
+    resources = (
+        {"nodes": 2, "gpus_per_node": 2, "partition": PARTITION} if args.cluster else {"nodes": 1, "gpus_per_node": 2}
+    )
     recipe = {
-        "name": name, "job": {"kind": "benchmark", "model": args.model}, "resources": {**resources, "time": "00:30:00"},
-        "training": {"steps": args.steps, "warmup_steps": args.warmup, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": 1e-3},
+        "name": name,
+        "job": {"kind": "benchmark", "model": args.model},
+        "resources": {**resources, "time": "00:30:00"},
+        "training": {
+            "steps": args.steps,
+            "warmup_steps": args.warmup,
+            "micro_batch": args.micro_batch,
+            "seq_len": args.seq_len,
+            "lr": 1e-3,
+        },
         "checkpoint": {"interval": 10**6},  # the bare loop saves nothing either (apart from the final save)
     }
     if args.flush_steps:
@@ -167,7 +205,9 @@ def run_hpcrun(args: argparse.Namespace, tmp: Path, n: int, shares: list[dict[st
     else:
         out = subprocess.run(submit, cwd=ROOT, check=True, capture_output=True, text=True).stdout
         run_dir = Path(next(line.split("run dir:")[1].strip() for line in out.splitlines() if "run dir:" in line))
-        while not (run_dir / "state.json").exists() or json.loads((run_dir / "state.json").read_text()).get("status") not in ("completed", "failed"):
+        while not (run_dir / "state.json").exists() or json.loads((run_dir / "state.json").read_text()).get(
+            "status"
+        ) not in ("completed", "failed"):
             time.sleep(2)  # one look every 2 s: nothing else competes with the ranks
     df = load(tmp / "results")
     row = df[df["run_id"].str.endswith(name)].iloc[-1]
@@ -187,12 +227,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--flush-steps", type=int, default=None)
     parser.add_argument("--without-probe", action="store_true", help="a third arm: hpcrun with the slow-rank probe off")
-    parser.add_argument("--follow", action="store_true", help="hpcrun submit --wait (the CLI then shares the cores with the ranks)")
+    parser.add_argument(
+        "--follow", action="store_true", help="hpcrun submit --wait (the CLI then shares the cores with the ranks)"
+    )
     parser.add_argument("--bare-rank", help=argparse.SUPPRESS)  # one rank of the bare loop under srun (--cluster)
     args = parser.parse_args()
     if args.bare_rank:
         return bare_slurm_rank(args)
-    tmp = scratch("overhead-", parent="/var/tmp" if args.cluster else None)  # the nodes see /var/tmp, not this user's /tmp
+    tmp = scratch(
+        "overhead-", parent="/var/tmp" if args.cluster else None
+    )  # the nodes see /var/tmp, not this user's /tmp
     scratch_site(tmp, "testcluster" if args.cluster else "local")
     bare_tps: list[float] = []
     hpc_tps: list[float] = []
@@ -207,9 +251,16 @@ def main() -> None:
     for n in range(args.rounds):  # AB then BA, so drift on a noisy machine hits every arm alike
         for arm in arms if n % 2 == 0 else arms[::-1]:
             arm(n)
-        unprobed = f", hpcrun without the probe {unprobed_tps[-1]:.0f} ({unprobed_tps[-1] / bare_tps[-1]:.3f})" if unprobed_tps else ""
-        print(f"round {n}: bare {bare_tps[-1]:.0f} tokens/s, hpcrun {hpc_tps[-1]:.0f} (ratio {hpc_tps[-1] / bare_tps[-1]:.3f}){unprobed}, "
-              f"hpcrun's per-step work {100 * shares[-1]['all of it']:.2f}% of step time", flush=True)
+        unprobed = (
+            f", hpcrun without the probe {unprobed_tps[-1]:.0f} ({unprobed_tps[-1] / bare_tps[-1]:.3f})"
+            if unprobed_tps
+            else ""
+        )
+        print(
+            f"round {n}: bare {bare_tps[-1]:.0f} tokens/s, hpcrun {hpc_tps[-1]:.0f} (ratio {hpc_tps[-1] / bare_tps[-1]:.3f}){unprobed}, "
+            f"hpcrun's per-step work {100 * shares[-1]['all of it']:.2f}% of step time",
+            flush=True,
+        )
     ratios = [h / b for h, b in zip(hpc_tps, bare_tps)]
     where = "2 nodes x 2 ranks, test cluster" if args.cluster else "2 ranks, this machine"
     print(f"hpcrun (defaults) / bare DDP loop, {where}, {args.rounds} rounds: median {statistics.median(ratios):.3f}, "

@@ -45,13 +45,18 @@ def compare(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     table = table.drop(columns=measures)
     if "nodes" in keys and len(table):
         others = [k for k in keys if k != "nodes"]
-        base = table.loc[table.groupby(others, dropna=False)["nodes"].idxmin()] if others else table.loc[[table["nodes"].idxmin()]]
+        base = (
+            table.loc[table.groupby(others, dropna=False)["nodes"].idxmin()]
+            if others
+            else table.loc[[table["nodes"].idxmin()]]
+        )
         ref = base.set_index(others)["tokens_per_s_per_gpu"] if others else None
         if ref is None:
             table["scaling_efficiency"] = table["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"].iloc[0]
         else:
             table["scaling_efficiency"] = [
-                row["tokens_per_s_per_gpu"] / ref.loc[tuple(row[k] for k in others) if len(others) > 1 else row[others[0]]]
+                row["tokens_per_s_per_gpu"]
+                / ref.loc[tuple(row[k] for k in others) if len(others) > 1 else row[others[0]]]
                 for _, row in table.iterrows()
             ]
     return table.sort_values(keys).reset_index(drop=True)
@@ -136,7 +141,18 @@ def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGR
     pass."""
     import pandas as pd
 
-    columns = [*AGREE_KEYS, "strategies", "runs", "common_steps", "max_abs_diff", "max_rel_diff", "worst_step", "worst_pair", "tolerance", "agree"]
+    columns = [
+        *AGREE_KEYS,
+        "strategies",
+        "runs",
+        "common_steps",
+        "max_abs_diff",
+        "max_rel_diff",
+        "worst_step",
+        "worst_pair",
+        "tolerance",
+        "agree",
+    ]
     keys = [k for k in AGREE_KEYS if k in summary.columns]
     done = summary[summary["status"] == "completed"].copy()
     if done.empty or steps.empty:
@@ -164,9 +180,19 @@ def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGR
         scale = abs(values).max(axis=1)
         relative = [s / m if m else 0.0 for s, m in zip(spread, scale)]
         worst = max(range(len(relative)), key=lambda i: relative[i])
-        pair = sorted({group.loc[members[high[worst]], "label"], group.loc[members[low[worst]], "label"]}) if spread[worst] else ["none (identical losses)"]
-        out.append({
-            **row, "max_abs_diff": float(spread.max()), "max_rel_diff": float(relative[worst]),
-            "worst_step": int(common.index[worst]), "worst_pair": " vs ".join(pair), "agree": relative[worst] <= tolerance,
-        })
+        pair = (
+            sorted({group.loc[members[high[worst]], "label"], group.loc[members[low[worst]], "label"]})
+            if spread[worst]
+            else ["none (identical losses)"]
+        )
+        out.append(
+            {
+                **row,
+                "max_abs_diff": float(spread.max()),
+                "max_rel_diff": float(relative[worst]),
+                "worst_step": int(common.index[worst]),
+                "worst_pair": " vs ".join(pair),
+                "agree": relative[worst] <= tolerance,
+            }
+        )
     return pd.DataFrame(out, columns=columns)

@@ -31,7 +31,9 @@ def _token(value: str) -> str:
 
 def _name(value: str) -> str:
     if not _NAME.match(value) or len(value) > 64:
-        raise ValueError(f"must start with a letter or digit and hold only letters, digits, '_', '.', '-' (got {value!r})")
+        raise ValueError(
+            f"must start with a letter or digit and hold only letters, digits, '_', '.', '-' (got {value!r})"
+        )
     return value
 
 

@@ -70,11 +70,22 @@ class Controller:
         for rank in range(self.ranks):
             env = {
                 **os.environ,
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks), "LOCAL_WORLD_SIZE": str(self.ranks),
-                "HPCRUN_LOCAL_JOB_ID": self.job_id, "HPCRUN_RESTART_COUNT": str(self.restart_count),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.ranks),
+                "LOCAL_WORLD_SIZE": str(self.ranks),
+                "HPCRUN_LOCAL_JOB_ID": self.job_id,
+                "HPCRUN_RESTART_COUNT": str(self.restart_count),
             }
-            with self.run_dir.log(self.job_id, rank, "out").open("ab") as out, self.run_dir.log(self.job_id, rank, "err").open("ab") as err:
-                self.procs.append(subprocess.Popen(["bash", str(self.run_dir.script)], env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+            with (
+                self.run_dir.log(self.job_id, rank, "out").open("ab") as out,
+                self.run_dir.log(self.job_id, rank, "err").open("ab") as err,
+            ):
+                self.procs.append(
+                    subprocess.Popen(
+                        ["bash", str(self.run_dir.script)], env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL
+                    )
+                )
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
@@ -100,7 +111,10 @@ class Controller:
                 kill_at = now + KILL_WAIT_S
             failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if failed and kill_at is None:  # --kill-on-bad-exit
-                print(f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; ending the others", flush=True)
+                print(
+                    f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; ending the others",
+                    flush=True,
+                )
                 self._send(signal.SIGKILL)
                 kill_at = now
             if kill_at is not None and now >= kill_at:

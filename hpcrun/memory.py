@@ -89,21 +89,43 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
         ds = option.library_estimate(params, largest, per_node, spec.nodes) if option.library_estimate else None
         # fit against the larger of the two accountings: DeepSpeed's counts what it allocates
         gpu = max(on_gpu, ds[1] if ds else 0.0) + activations
-        cpu = max(moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0)
+        cpu = max(
+            moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0
+        )
         staged = staging_bytes(params, n, option, per_node) if spec.recipe.checkpoint.asynchronous else 0.0
         cpu += staged
         disk = moved * per_node if option.offload == "nvme" else 0.0
         problems = []
-        why = f" ({staged / GB:.0f} GB to stage asynchronous checkpoints; checkpoint.asynchronous: false saves that)" if staged else ""
+        why = (
+            f" ({staged / GB:.0f} GB to stage asynchronous checkpoints; checkpoint.asynchronous: false saves that)"
+            if staged
+            else ""
+        )
         if gpu > gpu_cap:
             problems.append(f"needs {gpu / GB:.1f} GB per GPU, has {gpu_cap / GB:.0f}")
         elif not part.gpu and gpu * per_node + cpu > host_cap:  # CPU ranks, offload and staging share one memory
-            problems.append(f"needs {(gpu * per_node + cpu) / GB:.0f} GB memory per node ({per_node} ranks x {gpu / GB:.1f} + {cpu / GB:.0f}), has {host_cap / GB:.0f}{why}")
+            problems.append(
+                f"needs {(gpu * per_node + cpu) / GB:.0f} GB memory per node ({per_node} ranks x {gpu / GB:.1f} + {cpu / GB:.0f}), has {host_cap / GB:.0f}{why}"
+            )
         if part.gpu and cpu > host_cap:
             problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}{why}")
         if option.offload == "nvme" and (nvme is None or disk > nvme.size_gb * GB):
-            problems.append("no storage.nvme in the site" if nvme is None else f"needs {disk / GB:.0f} GB NVMe per node, has {nvme.size_gb:.0f}")
-        out.append(Estimate(option, gpu / GB, cpu / GB, disk / GB, not problems, "; ".join(problems) or "fits", ds[1] / GB if ds else None))
+            problems.append(
+                "no storage.nvme in the site"
+                if nvme is None
+                else f"needs {disk / GB:.0f} GB NVMe per node, has {nvme.size_gb:.0f}"
+            )
+        out.append(
+            Estimate(
+                option,
+                gpu / GB,
+                cpu / GB,
+                disk / GB,
+                not problems,
+                "; ".join(problems) or "fits",
+                ds[1] / GB if ds else None,
+            )
+        )
     return out
 
 

@@ -109,29 +109,42 @@ class _Caps:
     part_qos: dict[str, str]  # partition -> its QOS
     held: list[Held]  # the user's jobs
     found: list[SubmitCap] = dataclasses.field(default_factory=list)
-    account_held: dict[str, list[Held]] = dataclasses.field(default_factory=dict)  # asked where a per-account cap applies
+    account_held: dict[str, list[Held]] = dataclasses.field(
+        default_factory=dict
+    )  # asked where a per-account cap applies
 
     def add(self, assoc: Assoc, partition: str, qos: str | None) -> None:
         """The caps on a job of `assoc` in `partition` with QOS `qos` (None: the association's)."""
-        job_qos = (qos or assoc.default_qos or (assoc.allowed_qos[0] if len(assoc.allowed_qos) == 1 else FALLBACK_QOS)).lower()
+        job_qos = (
+            qos or assoc.default_qos or (assoc.allowed_qos[0] if len(assoc.allowed_qos) == 1 else FALLBACK_QOS)
+        ).lower()
         order = [q for q in (self.part_qos.get(partition), job_qos) if q]
         if len(order) == 2 and self.qos_table.get(job_qos, Qos(None, None, False)).over_part_qos:
             order.reverse()
         per_user = self._first(order, "per_user")
         if per_user:
             name, cap = per_user
-            self.found.append(SubmitCap(self._label(name, partition, "MaxSubmitJobsPerUser"), cap, self._charged(name, self.held)))
+            self.found.append(
+                SubmitCap(self._label(name, partition, "MaxSubmitJobsPerUser"), cap, self._charged(name, self.held))
+            )
         per_account = self._first(order, "per_account")
         if per_account:
             name, cap = per_account
             if assoc.account not in self.account_held:
                 self.account_held[assoc.account] = _held(["-A", assoc.account])
             held = self._charged(name, self.account_held[assoc.account])
-            self.found.append(SubmitCap(self._label(name, partition, f"MaxSubmitJobsPerAccount ({assoc.account})"), cap, held))
+            self.found.append(
+                SubmitCap(self._label(name, partition, f"MaxSubmitJobsPerAccount ({assoc.account})"), cap, held)
+            )
         if not per_user and not per_account and assoc.max_submit is not None:
             # the jobs of this association: its account, and its partition if it has its own
-            held = sum(h.account == assoc.account and (not assoc.partition or assoc.partition in h.partitions) for h in self.held)
-            self.found.append(SubmitCap(f"association {self.user}/{assoc.account}'s MaxSubmitJobs", assoc.max_submit, held))
+            held = sum(
+                h.account == assoc.account and (not assoc.partition or assoc.partition in h.partitions)
+                for h in self.held
+            )
+            self.found.append(
+                SubmitCap(f"association {self.user}/{assoc.account}'s MaxSubmitJobs", assoc.max_submit, held)
+            )
 
     def _first(self, order: list[str], limit: str) -> tuple[str, int] | None:
         """The first QOS in `order` that sets `limit`, with its value: SLURM's precedence."""
@@ -152,14 +165,20 @@ class _Caps:
 
 def _associations(user: str, account: str | None, cluster: str | None) -> list[Assoc]:
     where = [f"user={user}", *([f"account={account}"] if account else []), *([f"cluster={cluster}"] if cluster else [])]
-    out = _ask(["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=Account,Partition,MaxSubmit,DefaultQOS,QOS"],
-               "read MaxSubmitJobs", NO_ACCOUNTING_STORAGE)
+    out = _ask(
+        ["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=Account,Partition,MaxSubmit,DefaultQOS,QOS"],
+        "read MaxSubmitJobs",
+        NO_ACCOUNTING_STORAGE,
+    )
     return [Assoc(acct, part, _number(cap), dqos.lower(), tuple(q for q in qlist.lower().split(",") if q))
             for acct, part, cap, dqos, qlist in _rows(out, 5, "sacctmgr show assoc")]
 
 
 def _qos_table() -> dict[str, Qos]:
-    out = _ask(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,Flags"], "read the QOS' submit caps")
+    out = _ask(
+        ["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,Flags"],
+        "read the QOS' submit caps",
+    )
     return {name.lower(): Qos(_number(pu), _number(pa), "overpartqos" in flags.lower().split(","))
             for name, pu, pa, flags in _rows(out, 4, "sacctmgr show qos")}
 
@@ -208,5 +227,7 @@ def _ask(cmd: list[str], why: str, empty_when: str | None = None) -> str:
     if out.returncode != 0 and empty_when and empty_when in (out.stderr + out.stdout).lower():
         return ""
     if out.returncode != 0:
-        raise HpcrunError(f"{cmd[0]} failed ({why} for the sweep): {out.stderr.strip() or out.stdout.strip() or f'exit status {out.returncode}'}")
+        raise HpcrunError(
+            f"{cmd[0]} failed ({why} for the sweep): {out.stderr.strip() or out.stdout.strip() or f'exit status {out.returncode}'}"
+        )
     return out.stdout

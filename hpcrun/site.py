@@ -55,7 +55,9 @@ class Partition(Frozen):
     @classmethod
     def _has_placeholder(cls, value: str) -> str:
         if "{n}" not in value or not value.startswith("--") or not TOKEN_RE.match(value.replace("{n}", "1")):
-            raise ValueError(f"must be an sbatch option with a {{n}} placeholder, e.g. '--gres=gpu:{{n}}' (got {value!r})")
+            raise ValueError(
+                f"must be an sbatch option with a {{n}} placeholder, e.g. '--gres=gpu:{{n}}' (got {value!r})"
+            )
         return value
 
     @pydantic.model_validator(mode="after")
@@ -135,7 +137,9 @@ class Environment(Frozen):
             try:
                 return shlex.split(value)
             except ValueError as exc:
-                raise ValueError(f"cannot be split into words ({exc}); write it as a list of words (got {value!r})") from None
+                raise ValueError(
+                    f"cannot be split into words ({exc}); write it as a list of words (got {value!r})"
+                ) from None
         return value
 
     @pydantic.field_validator("sbatch")
@@ -175,11 +179,15 @@ class Site(Frozen):
                 f"storage.runs_dir: on a SLURM site it appears in #SBATCH --output, so it may not hold spaces or quotes (got {self.storage.runs_dir!r})"
             )
         if self.environment.container and not self.environment.python:
-            raise ValueError("environment.python: required with a container (the login node's interpreter is not inside it)")
+            raise ValueError(
+                "environment.python: required with a container (the login node's interpreter is not inside it)"
+            )
         if self.scheduler == "local":
             for name, part in self.partitions.items():
                 if part.max_nodes != 1:
-                    raise ValueError(f"partitions.{name}.max_nodes: a local site has exactly one node (got {part.max_nodes})")
+                    raise ValueError(
+                        f"partitions.{name}.max_nodes: a local site has exactly one node (got {part.max_nodes})"
+                    )
         return self
 
     def partition(self, name: str | None) -> Partition:
@@ -187,7 +195,11 @@ class Site(Frozen):
 
     @property
     def results_dir(self) -> Path:
-        return Path(self.storage.results_dir) if self.storage.results_dir else Path(self.storage.runs_dir).parent / "results"
+        return (
+            Path(self.storage.results_dir)
+            if self.storage.results_dir
+            else Path(self.storage.runs_dir).parent / "results"
+        )
 
     def interconnect_env(self) -> dict[str, str]:
         """The fabric preset for this site's interconnect, then the site's own `network.env`
@@ -257,7 +269,9 @@ def find_site(name_or_path: str) -> Path:
         return candidate
     sites = known_sites()
     if name_or_path not in sites:
-        raise HpcrunError(f"unknown site {name_or_path!r}; known sites: {', '.join(sorted(sites)) or 'none'}", field="--site")
+        raise HpcrunError(
+            f"unknown site {name_or_path!r}; known sites: {', '.join(sorted(sites)) or 'none'}", field="--site"
+        )
     return sites[name_or_path]
 
 

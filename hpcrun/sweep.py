@@ -54,5 +54,13 @@ def describe(point: dict[str, tp.Any]) -> str:
 
 def sweep_id(recipe_file: RecipeFile, site: Site) -> str:
     """The same recipe on the same site is the same sweep: re-running it continues it."""
-    blob = json.dumps({"recipe": recipe_file.raw, "sweep": recipe_file.sweep.model_dump() if recipe_file.sweep else None, "site": site.name}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "recipe": recipe_file.raw,
+            "sweep": recipe_file.sweep.model_dump() if recipe_file.sweep else None,
+            "site": site.name,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return f"{recipe_file.base.name}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"

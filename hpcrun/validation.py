@@ -60,8 +60,11 @@ def check_entrypoint(path: Path, spec: RunSpec) -> None:
     module = job.entrypoint.split(":")[0]
     if not module_exists(module, search):
         where = ", ".join(job.pythonpath) or "no job.pythonpath"
-        raise HpcrunError(f"module {module!r} not found (looked in {where}, the current directory and this Python's path)",
-                          path, "job.entrypoint")
+        raise HpcrunError(
+            f"module {module!r} not found (looked in {where}, the current directory and this Python's path)",
+            path,
+            "job.entrypoint",
+        )
 
 
 def module_exists(name: str, search: list[str]) -> bool:

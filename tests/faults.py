@@ -128,7 +128,9 @@ def power_off(node: str) -> None:
 
 
 def node_state(node: str) -> str:
-    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-p", pool.partition("batch"), "-o", "%t"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-p", pool.partition("batch"), "-o", "%t"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def node_flags(node: str) -> set[str]:
@@ -151,7 +153,9 @@ def wait_down(node: str, timeout: float) -> None:
 
 def power_on(node: str, timeout: float = 90) -> None:
     """Start the node's slurmd again and wait until SLURM schedules on it (ReturnToService=2)."""
-    if not any(b"slurmd" in Path(f"/proc/{p}/comm").read_bytes() for p in node_pids(node) if Path(f"/proc/{p}/comm").exists()):
+    if not any(
+        b"slurmd" in Path(f"/proc/{p}/comm").read_bytes() for p in node_pids(node) if Path(f"/proc/{p}/comm").exists()
+    ):
         subprocess.run(["ip", "netns", "exec", node, "slurmd", "-N", node], check=True)
     deadline = time.time() + timeout
     while time.time() < deadline:

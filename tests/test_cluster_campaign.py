@@ -40,8 +40,12 @@ WATCH_S = 30.0  # the polling phase: at most (its measured length) / POLL_S + 1 
 @pytest.fixture(scope="module")
 def base() -> tp.Iterator[Path]:
     """A directory the watcher user can read (pytest's own are private to root), removed after."""
-    nodes = subprocess.run(["sinfo", "-h", "-p", "scale", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()
-    assert len(set(nodes)) >= 4, f"needs the `scale` partition of tests/cluster/testcluster.sh up --nodes 8 (found {nodes})"
+    nodes = subprocess.run(
+        ["sinfo", "-h", "-p", "scale", "-N", "-o", "%N"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(set(nodes)) >= 4, (
+        f"needs the `scale` partition of tests/cluster/testcluster.sh up --nodes 8 (found {nodes})"
+    )
     path = Path("/var/tmp") / f"hpcrun-scale-{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o755)
     os.chmod(path, 0o755)
@@ -71,14 +75,18 @@ def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[tuple[int,
     try:
         deadline = time.time() + 120
         while not all(log.stat().st_size for log in logs):  # each has printed its first states: it polls
-            assert time.time() < deadline and all(p.poll() is None for p in procs), [log.read_text()[-500:] for log in logs]
+            assert time.time() < deadline and all(p.poll() is None for p in procs), [
+                log.read_text()[-500:] for log in logs
+            ]
             time.sleep(0.5)
         began = time.monotonic()
         before = rpc_counts(WATCHER)
         time.sleep(WATCH_S)
         after = rpc_counts(WATCHER)
         window = time.monotonic() - began
-        assert all(p.poll() is None for p in procs), [log.read_text()[-500:] for log in logs]  # still following, none died
+        assert all(p.poll() is None for p in procs), [
+            log.read_text()[-500:] for log in logs
+        ]  # still following, none died
     finally:
         for p in procs:
             p.send_signal(signal.SIGINT)  # Ctrl-C: stops following, never the jobs
@@ -88,14 +96,23 @@ def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[tuple[int,
             except subprocess.TimeoutExpired:
                 p.kill()  # never left polling after the test
                 p.wait()
-    assert all(p.returncode == 130 for p in procs), [(p.returncode, log.read_text()[-500:]) for p, log in zip(procs, logs)]
+    assert all(p.returncode == 130 for p in procs), [
+        (p.returncode, log.read_text()[-500:]) for p, log in zip(procs, logs)
+    ]
     return (after[0] - before[0], after[1] - before[1]), window
 
 
 def one_poll(site: Path, sweep: str, home: Path) -> tuple[int, int]:
     """RPCs of one `hpcrun status SWEEP` (no --wait) with no shared answer to read: what a poll costs."""
     before = rpc_counts(WATCHER)
-    out = subprocess.run([*hpcrun_as(WATCHER), "status", "--site", str(site), sweep], env=watcher_env(home, "cache-one-poll"), cwd=home, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [*hpcrun_as(WATCHER), "status", "--site", str(site), sweep],
+        env=watcher_env(home, "cache-one-poll"),
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     after = rpc_counts(WATCHER)
     return after[0] - before[0], after[1] - before[1]
@@ -103,7 +120,12 @@ def one_poll(site: Path, sweep: str, home: Path) -> tuple[int, int]:
 
 def held_tasks(arrays: set[str]) -> collections.Counter[str]:
     """Every array task SLURM holds (pending, running or ended but still in memory), by id."""
-    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(sorted(arrays)), "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-t", "all", "-j", ",".join(sorted(arrays)), "-o", "%i"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return collections.Counter(out.split())
 
 
@@ -156,7 +178,9 @@ def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_di
     # answer defers the next, pollcache.SLOW_FACTOR), and the ratio of two such phases was seen
     # failing at 9 RPCs against 15. Ten watchers each asking for themselves would make ~10 times this.
     most = int(window / pollcache.POLL_S) + 1
-    print(f"RPCs (slurmctld, slurmdbd): one poll {poll}; 10 watchers over {window:.0f} s {ten}, at most {most} polls' worth")
+    print(
+        f"RPCs (slurmctld, slurmdbd): one poll {poll}; 10 watchers over {window:.0f} s {ten}, at most {most} polls' worth"
+    )
     assert ten[0] <= poll[0] * most and ten[1] <= poll[1] * most, (poll, ten)
 
     # A subset runs to its end meanwhile. Waited for, not read once: under CI's load SLURM was
@@ -172,7 +196,9 @@ def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_di
     hpcrun("cancel", "--site", str(site), sweep_dir.name)
     # a running task ends through its SIGTERM, KillWait (20 s) and slurmd's answer, late under load
     deadline = time.time() + 120
-    while subprocess.run(["squeue", "-h", "-r", "-j", ",".join(sorted(arrays))], capture_output=True, text=True).stdout.strip():
+    while subprocess.run(
+        ["squeue", "-h", "-r", "-j", ",".join(sorted(arrays))], capture_output=True, text=True
+    ).stdout.strip():
         assert time.time() < deadline, "jobs still queued 120 s after hpcrun cancel"
         time.sleep(1)
 
@@ -182,16 +208,27 @@ QUOTA, CAP = "hpcquota", 25  # tests/cluster/testcluster.sh: this user's MaxSubm
 
 def as_quota(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     # USER and LOGNAME still root's, as setpriv leaves them: SLURM goes by the uid
-    env = {**os.environ, "HOME": str(home), "HPCRUN_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(ROOT), "USER": "root", "LOGNAME": "root"}
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "HPCRUN_CACHE_DIR": str(home / "cache"),
+        "PYTHONPATH": str(ROOT),
+        "USER": "root",
+        "LOGNAME": "root",
+    }
     out = subprocess.run([*hpcrun_as(QUOTA), *args], env=env, cwd=home, capture_output=True, text=True, timeout=300)
-    assert not check or out.returncode == 0, f"hpcrun {' '.join(args)} as {QUOTA}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    assert not check or out.returncode == 0, (
+        f"hpcrun {' '.join(args)} as {QUOTA}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    )
     return out
 
 
 def queued(user: str, field: str = "%i") -> list[str]:
     """The jobs (array tasks one by one) SLURM holds for `user`, pending or running: their ids,
     or squeue's `field` of each."""
-    return subprocess.run(["squeue", "-h", "-r", "-u", user, "-o", field], capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run(
+        ["squeue", "-h", "-r", "-u", user, "-o", field], capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 @contextlib.contextmanager
@@ -239,7 +276,11 @@ def test_a_sweep_past_max_submit_jobs_is_deferred_then_submitted(base: Path) -> 
         assert sorted(queued(QUOTA)) == jobs and len(jobs) == CAP
         extra = subprocess.run([*run_as(QUOTA), "sbatch", "-p", "scale", "-o", "/dev/null", "--wrap", "true"],
                                capture_output=True, text=True, cwd=home)
-        assert extra.returncode != 0 and "limit" in extra.stderr.lower(), (extra.stdout, extra.stderr, "a slurmctld started before AccountingStorageEnforce was set needs a restart")  # SLURM enforces the cap
+        assert extra.returncode != 0 and "limit" in extra.stderr.lower(), (
+            extra.stdout,
+            extra.stderr,
+            "a slurmctld started before AccountingStorageEnforce was set needs a restart",
+        )  # SLURM enforces the cap
 
         second = as_quota(home, "sweep", "--site", str(site), str(rec)).stdout
         assert f"submitted 0 point(s); {CAP} already submitted" in second and second.count("  deferred ") == 5, second
@@ -274,9 +315,16 @@ def test_a_qos_cap_binds_before_the_association(base: Path) -> None:
         assert "no room under QOS capped's MaxSubmitJobsPerUser (10; 0 held)" in out, out
         held = queued(QUOTA, "%q")
         assert held == ["capped"] * 10, held
-        extra = subprocess.run([*run_as(QUOTA), "sbatch", "-p", "scale", "--qos", "capped", "-o", "/dev/null", "--wrap", "true"],
-                               capture_output=True, text=True, cwd=home)
-        assert extra.returncode != 0 and "QOSMaxSubmitJobPerUserLimit" in extra.stderr, (extra.stdout, extra.stderr)  # SLURM's cap, real
+        extra = subprocess.run(
+            [*run_as(QUOTA), "sbatch", "-p", "scale", "--qos", "capped", "-o", "/dev/null", "--wrap", "true"],
+            capture_output=True,
+            text=True,
+            cwd=home,
+        )
+        assert extra.returncode != 0 and "QOSMaxSubmitJobPerUserLimit" in extra.stderr, (
+            extra.stdout,
+            extra.stderr,
+        )  # SLURM's cap, real
 
         home = base / "qos-wide"
         site, rec = quota_sweep(home, "wide", CAP + 3, qos="wide")
@@ -295,8 +343,15 @@ def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory:
     # get: a rank alone on a 2-CPU node would take 2, and a matrix product summed by 2 threads
     # differs in its last bits (seen: the same sha256 interrupted or not on 4 nodes, another
     # than the local run's from step 4 on)
-    rec = recipe(base, "four-nodes", job=PAUSED, training=TRAINING, checkpoint=CHECKPOINT, resources={"nodes": 4, "gpus_per_node": 1, "time": "00:10:00"},
-                 env={"OMP_NUM_THREADS": "1"})
+    rec = recipe(
+        base,
+        "four-nodes",
+        job=PAUSED,
+        training=TRAINING,
+        checkpoint=CHECKPOINT,
+        resources={"nodes": 4, "gpus_per_node": 1, "time": "00:10:00"},
+        env={"OMP_NUM_THREADS": "1"},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     wait_checkpoint(run_dir)
@@ -307,8 +362,12 @@ def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory:
     table = rows(base, run_dir)
     assert list(table.world_size) == [4, 4] and set(table.nodes) == {4}, table[["world_size", "nodes", "node_list"]]
     node_list = table.node_list.iloc[0]
-    assert re.fullmatch(r"node\[\d+-\d+\]", node_list) and set(table.node_list) == {node_list}, table.node_list  # compressed, the same four
-    first = subprocess.run(["scontrol", "show", "hostnames", node_list], capture_output=True, text=True, check=True).stdout.split()[0]
+    assert re.fullmatch(r"node\[\d+-\d+\]", node_list) and set(table.node_list) == {node_list}, (
+        table.node_list
+    )  # compressed, the same four
+    first = subprocess.run(
+        ["scontrol", "show", "hostnames", node_list], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.*"))
     assert "resumed from step-" in logs
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)

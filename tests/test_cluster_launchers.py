@@ -30,12 +30,34 @@ STEP_DELAY_S = 0.4  # >= 24 s of training on any CPU: time to signal each attemp
 
 def lightning_job(nodes: int, devices: int, steps: int = STEPS) -> dict[str, tp.Any]:
     script = str(ROOT / "jobs" / "lightning_train.py")
-    return {"kind": "command", "command": ["python", script, "--steps", str(steps), "--nodes", str(nodes), "--devices", str(devices), "--step-delay-s", str(STEP_DELAY_S)]}
+    return {
+        "kind": "command",
+        "command": [
+            "python",
+            script,
+            "--steps",
+            str(steps),
+            "--nodes",
+            str(nodes),
+            "--devices",
+            str(devices),
+            "--step-delay-s",
+            str(STEP_DELAY_S),
+        ],
+    }
 
 
 TORCHRUN_JOB = {
-    "kind": "command", "launcher": "torchrun",
-    "command": ["python", str(ROOT / "jobs" / "command_train.py"), "--steps", str(STEPS), "--step-delay-s", str(STEP_DELAY_S)],
+    "kind": "command",
+    "launcher": "torchrun",
+    "command": [
+        "python",
+        str(ROOT / "jobs" / "command_train.py"),
+        "--steps",
+        str(STEPS),
+        "--step-delay-s",
+        str(STEP_DELAY_S),
+    ],
 }
 
 
@@ -60,18 +82,41 @@ def task_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*_log.out")))
 
 
-def interrupt_twice(tmp_path: Path, name: str, job_fields: dict[str, tp.Any], ranks_per_node: int) -> tuple[Path, str, list[list[int]]]:
+def interrupt_twice(
+    tmp_path: Path, name: str, job_fields: dict[str, tp.Any], ranks_per_node: int
+) -> tuple[Path, str, list[list[int]]]:
     """Submit on 2 nodes; USR2 mid-way through the first attempt and a preemption mid-way
     through the second; return (run dir, job id, steps reported per attempt) once done."""
     site = site_copy(tmp_path, "testcluster")
-    rec = recipe(tmp_path, name, job=job_fields, resources={"nodes": 2, "gpus_per_node": ranks_per_node, "time": "00:10:00"})
+    rec = recipe(
+        tmp_path, name, job=job_fields, resources={"nodes": 2, "gpus_per_node": ranks_per_node, "time": "00:10:00"}
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     wait_reported(run_dir, job, 0, 5)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     wait_reported(run_dir, job, 1, 5)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"],
-                            capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    urgent = (
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                pool.partition("urgent"),
+                "-N2",
+                "-n4",
+                "-o",
+                "/dev/null",
+                "--wrap",
+                "sleep 2",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     final = wait_done(run_dir, timeout=600)
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     # one requeue per signal: by hpcrun after USR2, by SLURM at the preemption; never also by Lightning
@@ -95,8 +140,13 @@ def test_lightning_script_requeued_by_usr2_and_preemption_resumes_its_global_ste
     logs = task_logs(run_dir)
     assert f"lightning job: {STEPS} steps over 4 ranks done" in logs  # the script ran to its end, over both nodes
     assert logs.count("saved ") >= 2 and "hpc_ckpt_1.ckpt" in logs and "hpc_ckpt_2.ckpt" in logs
-    assert sorted(p.name for p in (run_dir / "lightning").glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]  # the newest two kept
-    assert "Restoring states from the checkpoint path" in logs + "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err"))
+    assert sorted(p.name for p in (run_dir / "lightning").glob("hpc_ckpt_*")) == [
+        "hpc_ckpt_1.ckpt",
+        "hpc_ckpt_2.ckpt",
+    ]  # the newest two kept
+    assert "Restoring states from the checkpoint path" in logs + "".join(
+        p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err")
+    )
     print(f"attempts {[(a[0], a[-1]) for a in attempts]}, duration {time.monotonic() - began:.0f} s")
 
 
@@ -117,10 +167,16 @@ def test_lightning_array_requeues_only_the_signalled_task(tmp_path: Path) -> Non
     began = time.monotonic()
     site = site_copy(tmp_path, "testcluster")
     rec = tmp_path / "points.yaml"
-    rec.write_text(json.dumps({
-        "name": "points", "job": lightning_job(nodes=1, devices=1, steps=40), "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
-        "sweep": {"axes": {"training.seed": [1, 2]}},
-    }))
+    rec.write_text(
+        json.dumps(
+            {
+                "name": "points",
+                "job": lightning_job(nodes=1, devices=1, steps=40),
+                "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
+                "sweep": {"axes": {"training.seed": [1, 2]}},
+            }
+        )
+    )
     out = hpcrun("sweep", "--site", str(site), str(rec)).stdout
     assert "submitted 2 point(s)" in out, out
     sweep_dir = next((tmp_path / "runs" / "sweeps").iterdir())

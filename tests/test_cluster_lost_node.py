@@ -45,13 +45,19 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baseline: Path) -> N
         _, resumed_on = faults.rank_pid(job, 0, timeout=180)
         assert resumed_on == other
         # the resumed attempt's rank 0 records the lost one as it starts
-        wait_for(lambda: node in (state(run_dir).get("failed_nodes") or []) if (run_dir / "state.json").exists() else False, what="the lost node's record")
+        wait_for(
+            lambda: node in (state(run_dir).get("failed_nodes") or []) if (run_dir / "state.json").exists() else False,
+            what="the lost node's record",
+        )
         faults.power_on(node)
         newest = newest_checkpoint(RunDir(run_dir)) or 0
         wait_for(lambda: checkpoint_after(run_dir, newest), what="a checkpoint of the resumed attempt")
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         deadline = time.time() + 60
-        while "ExcNodeList=" + node not in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout:
+        while (
+            "ExcNodeList=" + node
+            not in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        ):
             assert time.time() < deadline, "the requeued job does not exclude the lost node"
             time.sleep(0.5)
         final = wait_done(run_dir, timeout=240)
@@ -60,7 +66,9 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baseline: Path) -> N
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     assert final["failed_nodes"] == [node] and final["excluded_nodes"] == [node], final
     assert records(job)[:2] == ["NODE_FAIL", "REQUEUED"], records(job)
-    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "NodeList"], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "NodeList"], capture_output=True, text=True
+    ).stdout.split()
     assert out[-1] == other, out  # the last attempt, with the node back, still not on it
     table = rows(tmp_path, run_dir)
     lost = table[table.restart_count == 0]

@@ -26,7 +26,17 @@ STEP_DELAY_S = 0.5  # the job lasts >= 20 s on any CPU: time to signal it mid-wa
 
 def example(tmp_path: Path, name: str, **fields: object) -> Path:
     """jobs/command_train.py (the documented contract), sized by time."""
-    job = {"kind": "command", "command": ["python", str(ROOT / "jobs" / "command_train.py"), "--steps", str(STEPS), "--step-delay-s", str(STEP_DELAY_S)]}
+    job = {
+        "kind": "command",
+        "command": [
+            "python",
+            str(ROOT / "jobs" / "command_train.py"),
+            "--steps",
+            str(STEPS),
+            "--step-delay-s",
+            str(STEP_DELAY_S),
+        ],
+    }
     return recipe(tmp_path, name, job=job, **fields)
 
 
@@ -66,9 +76,16 @@ def test_command_ignoring_the_signals_is_killed_with_its_children(tmp_path: Path
     is stopped, not left running into the time limit."""
     began = time.monotonic()
     site = site_copy(tmp_path)
-    script = ("import signal,subprocess,time; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR2, signal.SIGTERM)]; "
-              "child = subprocess.Popen(['sleep', '600']); open('child-' + str(child.pid), 'w').close(); time.sleep(300)")
-    rec = recipe(tmp_path, "cmd-deaf", job={"kind": "command", "command": ["python", "-c", script], "workdir": "."}, checkpoint={"signal_lead_s": 10})  # a 5 s grace
+    script = (
+        "import signal,subprocess,time; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR2, signal.SIGTERM)]; "
+        "child = subprocess.Popen(['sleep', '600']); open('child-' + str(child.pid), 'w').close(); time.sleep(300)"
+    )
+    rec = recipe(
+        tmp_path,
+        "cmd-deaf",
+        job={"kind": "command", "command": ["python", "-c", script], "workdir": "."},
+        checkpoint={"signal_lead_s": 10},
+    )  # a 5 s grace
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     wait_for(lambda: len(list(tmp_path.glob("child-*"))) == 2 and len(ranks(run_dir)) == 2, what="the script's start")
     children = [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
@@ -82,7 +99,11 @@ def test_command_ignoring_the_signals_is_killed_with_its_children(tmp_path: Path
     final = state(run_dir)
     assert final["status"] == "stopped" and "SIGUSR2" in final["reason"], final
     assert "killed with its children" in "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
-    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), timeout=10, what="the script's children to be gone")
+    wait_for(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children),
+        timeout=10,
+        what="the script's children to be gone",
+    )
     print(f"duration {time.monotonic() - began:.0f} s")
 
 
@@ -90,11 +111,18 @@ def test_torchrun_gives_its_workers_the_usr2_grace(tmp_path: Path) -> None:
     """After USR2 a torchrun worker may take longer than torchrun's own 30 s default to save:
     hpcrun's grace (the lead less 30 s: 50 s here) reaches it through torchrun."""
     site = site_copy(tmp_path)
-    script = ("import signal,time; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); open('started', 'w').close(); "
-              "signal.sigwait([signal.SIGTERM]); time.sleep(35); open('saved', 'w').close()")  # a 35 s save
+    script = (
+        "import signal,time; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); open('started', 'w').close(); "
+        "signal.sigwait([signal.SIGTERM]); time.sleep(35); open('saved', 'w').close()"
+    )  # a 35 s save
     job = {"kind": "command", "launcher": "torchrun", "command": ["python", "-c", script], "workdir": "."}
-    rec = recipe(tmp_path, "torchrun-slow-save", job=job, resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
-                 checkpoint={"signal_lead_s": 80})
+    rec = recipe(
+        tmp_path,
+        "torchrun-slow-save",
+        job=job,
+        resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
+        checkpoint={"signal_lead_s": 80},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     wait_for(lambda: (tmp_path / "started").exists() and len(ranks(run_dir)) == 1, what="the worker's start")
     for pid in ranks(run_dir):
@@ -116,7 +144,9 @@ def test_torchrun_launcher_runs_the_ranks_and_reports_steps(tmp_path: Path) -> N
     assert len(ranks_started(run_dir)) == 1  # one task: torchrun made the ranks
     row = rows(tmp_path, run_dir).iloc[-1]
     assert (row["world_size"], row["first_step"], row["last_step"]) == (2, 0, 40) and row["step_time_p50_s"] > 0
-    assert row["final_loss"] == pytest.approx(json.loads((run_dir / "reported" / f"{row['job_id']}-0.jsonl").read_text().splitlines()[-1])["loss"])
+    assert row["final_loss"] == pytest.approx(
+        json.loads((run_dir / "reported" / f"{row['job_id']}-0.jsonl").read_text().splitlines()[-1])["loss"]
+    )
     curve = load_steps(tmp_path / "results", run_id=run_dir.name)
     assert list(curve["step"]) == list(range(1, 41)) and curve["loss"].notna().all()
 
@@ -128,7 +158,21 @@ def ranks_started(run_dir: Path) -> list[Path]:
 
 def lightning_recipe(tmp_path: Path, steps: int, delay: float, accumulate: int = 1) -> Path:
     script = str(ROOT / "jobs" / "lightning_train.py")
-    job = {"kind": "command", "command": ["python", script, "--steps", str(steps), "--devices", "2", "--step-delay-s", str(delay), "--accumulate", str(accumulate)]}
+    job = {
+        "kind": "command",
+        "command": [
+            "python",
+            script,
+            "--steps",
+            str(steps),
+            "--devices",
+            "2",
+            "--step-delay-s",
+            str(delay),
+            "--accumulate",
+            str(accumulate),
+        ],
+    }
     return recipe(tmp_path, "lightning", job=job)
 
 
@@ -138,7 +182,9 @@ def test_lightning_script_saves_its_hpc_checkpoint_on_usr2(tmp_path: Path) -> No
     stopped at that step. With gradient accumulation (4 batches a step) the save comes after
     an optimizer step, never between micro-batches (their gradients would be lost)."""
     site = site_copy(tmp_path)
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(lightning_recipe(tmp_path, 200, 0.05, accumulate=4))))
+    run_dir = run_dir_of(
+        hpcrun("submit", "--site", str(site), str(lightning_recipe(tmp_path, 200, 0.05, accumulate=4)))
+    )
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     metrics = run_dir / "reported" / f"{job}-0.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, what="three reported steps")

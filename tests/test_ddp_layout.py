@@ -86,7 +86,9 @@ def rank_main(rank: int, port: int, out: str, strategy: dict[str, tp.Any]) -> No
     [({"name": "ddp"}, True), ({"name": "ddp", "find_unused_parameters": True}, False)],
     ids=["default", "find_unused_parameters"],
 )
-def test_every_step_of_every_attempt_reduces_in_one_layout(tmp_path: Path, strategy: dict[str, tp.Any], settles: bool) -> None:
+def test_every_step_of_every_attempt_reduces_in_one_layout(
+    tmp_path: Path, strategy: dict[str, tp.Any], settles: bool
+) -> None:
     out = tmp_path / "layouts.pt"
     mp.spawn(rank_main, args=(29400 + os.getpid() % 500, str(out), strategy), nprocs=WORLD)  # raises if a rank failed
     seen = torch.load(out)

@@ -46,7 +46,13 @@ SBATCH_THAT_COUNTS = 'echo "$@" >>"$FAKE_DIR/submitted"; echo 4242'
 # --- hpcrun sweep without scontrol / sacctmgr ------------------------------------------------
 @pytest.mark.parametrize("missing", ["scontrol", "sacctmgr"])
 def test_sweep_without_slurm_tools_is_one_line(missing: str, bare_path: Path, tmp_path: Path) -> None:
-    tools = {"sbatch": SBATCH_THAT_COUNTS, "scontrol": 'echo "MaxArraySize = 1001"', "sacctmgr": "exit 0", "squeue": "exit 0", "sacct": "exit 0"}
+    tools = {
+        "sbatch": SBATCH_THAT_COUNTS,
+        "scontrol": 'echo "MaxArraySize = 1001"',
+        "sacctmgr": "exit 0",
+        "squeue": "exit 0",
+        "sacct": "exit 0",
+    }
     del tools[missing]
     fake_tools(bare_path, **tools)
     site = site_copy(tmp_path, "testcluster")
@@ -56,7 +62,11 @@ def test_sweep_without_slurm_tools_is_one_line(missing: str, bare_path: Path, tm
 
 
 def test_sweep_with_a_failing_scontrol_is_one_line(bare_path: Path, tmp_path: Path) -> None:
-    fake_tools(bare_path, sbatch=SBATCH_THAT_COUNTS, scontrol='echo "slurm_load_ctl_conf error: Unable to contact slurm controller" >&2; exit 1')
+    fake_tools(
+        bare_path,
+        sbatch=SBATCH_THAT_COUNTS,
+        scontrol='echo "slurm_load_ctl_conf error: Unable to contact slurm controller" >&2; exit 1',
+    )
     site = site_copy(tmp_path, "testcluster")
     line = one_line_refusal(cli("sweep", "--site", str(site), "jobs/gpt-strategies.yaml"))
     assert line.startswith("Error: scontrol failed (read MaxArraySize for the sweep): slurm_load_ctl_conf error")
@@ -159,7 +169,10 @@ def test_ambiguous_prefix_lists_candidates(tmp_path: Path) -> None:
         fake_run(tmp_path / "runs", name)
     for command in (["logs"], ["cancel"], ["resume"], ["status"], ["checkpoint", "consolidate"]):
         line = one_line_refusal(cli(*command, "--site", str(site), "20250101"))
-        assert line == "Error: RUN: '20250101' matches 2 runs (20250101-aaaa-x, 20250101-bbbb-x); give one run id", (command, line)
+        assert line == "Error: RUN: '20250101' matches 2 runs (20250101-aaaa-x, 20250101-bbbb-x); give one run id", (
+            command,
+            line,
+        )
     # a unique prefix still names its run
     line = one_line_refusal(cli("logs", "--site", str(site), "20250102"))
     assert "runs/20250102-cccc-x: no job was submitted" in line
@@ -185,7 +198,9 @@ def test_sweep_id_names_its_runs_where_many_are_meant(bare_path: Path, tmp_path:
     # others (dry runs) are named, in one scancel call
     out = cli("cancel", "--site", str(site), "sw-1")
     assert out.exit_code == 0, out.output
-    assert "cancelled sw-1.p1 (job 11)" in out.output and "not cancelled sw-1.p2: no job was submitted" in out.output, out.output
+    assert "cancelled sw-1.p1 (job 11)" in out.output and "not cancelled sw-1.p2: no job was submitted" in out.output, (
+        out.output
+    )
     assert "sw-10" not in out.output
     assert (tmp_path / "cancelled").read_text() == "11\n"
     # nothing to cancel at all is still an error, one line
@@ -220,7 +235,9 @@ def test_relative_storage_paths_resolve_against_the_site_file(tmp_path: Path, mo
     # and given as a relative path from another directory, still the site file's directory
     monkeypatch.chdir(tmp_path)
     assert load_site("conf/mine.yaml").storage.runs_dir == str(tmp_path / "conf" / "runs")
-    assert load_site(str(ROOT / "sites" / "testcluster.yaml")).storage.runs_dir == "/var/tmp/hpcrun-testcluster/runs"  # absolute stays
+    assert (
+        load_site(str(ROOT / "sites" / "testcluster.yaml")).storage.runs_dir == "/var/tmp/hpcrun-testcluster/runs"
+    )  # absolute stays
 
 
 # --- the real controller answers the sweep's limit queries (a wrong sacctmgr argument is an error) --
@@ -229,7 +246,9 @@ def test_sweep_limits_from_the_real_cluster() -> None:
     from hpcrun import quota
 
     config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
-    expected = next(int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize")
+    expected = next(
+        int(line.split("=")[1]) for line in config.splitlines() if line.split("=")[0].strip() == "MaxArraySize"
+    )
     # root's association sets no MaxSubmitJobs and its default QOS (normal) no per-user cap
     assert quota.limits(None, None, ["batch"]) == (expected, None)
     # QOS capped (tests/cluster/testcluster.sh) holds 10 jobs per user, whoever asks

@@ -47,7 +47,9 @@ def trained_and_measured(tmp_path: Path, run_dir: Path, strategy: dict[str, obje
     assert len(curve) == TRAINING["steps"] and curve[-1] < curve[0] - 0.05, curve
     (row,) = rows(tmp_path, run_dir).to_dict("records")
     sized = ("tokens_per_s", "tokens_per_s_per_gpu", "parameters", "tflops_per_gpu", "mfu")
-    missing = [c for c in MEASURED if c not in sized and row[c] is None or (isinstance(row[c], float) and math.isnan(row[c]))]
+    missing = [
+        c for c in MEASURED if c not in sized and row[c] is None or (isinstance(row[c], float) and math.isnan(row[c]))
+    ]
     assert not missing, f"unfilled measurements: {missing}"
     assert row["world_size"] == world and row["strategy"] == strategy["name"]
     assert row["checkpoint_saves"] == TRAINING["steps"] // 2 and row["steps_timed"] == TRAINING["steps"] - 2
@@ -60,10 +62,22 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
     the end."""
     rng = random.Random(name)
     # `world` rank processes on this machine's cores, whatever their number (oversubscribed is slower, not different)
-    partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00", "cpu_peak_tflops_per_rank": 0.05}
+    partition = {
+        "max_nodes": 1,
+        "gpus_per_node": 0,
+        "cpus_per_node": 4,
+        "memory_gb": 16,
+        "max_time": "1-00:00:00",
+        "cpu_peak_tflops_per_rank": 0.05,
+    }
     site = site_copy(tmp_path, partitions={"local": partition})
     resources = {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}  # CPU ranks
-    kwargs = {"strategy": strategy, "training": TRAINING, "resources": resources, "checkpoint": {"interval": 2, "export_final": True}}
+    kwargs = {
+        "strategy": strategy,
+        "training": TRAINING,
+        "resources": resources,
+        "checkpoint": {"interval": 2, "export_final": True},
+    }
     whole = recipe(tmp_path, f"{name}-whole", job=entrypoint_job(str(ROOT), 0.0), **kwargs)
     # the uninterrupted run trains while the interrupted one waits out its pauses and signals
     baseline = run_dir_of(hpcrun("submit", "--site", str(site), str(whole)))
@@ -91,7 +105,9 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
     return baseline, run_dir
 
 
-@pytest.mark.parametrize(("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 4, False), ("zero3", 4, False), ("zero2", 4, False)])
+@pytest.mark.parametrize(
+    ("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 4, False), ("zero3", 4, False), ("zero2", 4, False)]
+)
 def test_resume_bit_identical(name: str, world: int, kill: bool, tmp_path: Path) -> None:
     started = time.monotonic()
     baseline, run_dir = interrupted(tmp_path, name, STRATEGIES[name], world, kill)

@@ -13,7 +13,9 @@ from tests.helpers import cli, write_yaml
 
 def entrypoint_recipe(tmp_path: Path, entrypoint: str, pythonpath: list[str]) -> Path:
     job = {"kind": "entrypoint", "entrypoint": entrypoint, "pythonpath": pythonpath}
-    return write_yaml(tmp_path / "recipe.yaml", {"name": "frictions", "job": job, "resources": {"nodes": 1, "gpus_per_node": 2}})
+    return write_yaml(
+        tmp_path / "recipe.yaml", {"name": "frictions", "job": job, "resources": {"nodes": 1, "gpus_per_node": 2}}
+    )
 
 
 def test_validate_looks_the_entrypoint_module_up(tmp_path: Path) -> None:
@@ -30,10 +32,18 @@ def test_validate_looks_the_entrypoint_module_up(tmp_path: Path) -> None:
     ok = cli("validate", "--site", "local", str(found))
     assert ok.exit_code == 0 and ok.output.startswith("ok "), ok.output
     # a module of the submitting directory (tests/ in this repository) and an installed one
-    assert cli("validate", "--site", "local", str(entrypoint_recipe(tmp_path, "tests.delayed_training:train", []))).exit_code == 0
+    assert (
+        cli(
+            "validate", "--site", "local", str(entrypoint_recipe(tmp_path, "tests.delayed_training:train", []))
+        ).exit_code
+        == 0
+    )
     assert cli("validate", "--site", "local", str(entrypoint_recipe(tmp_path, "json.decoder:x", []))).exit_code == 0
     # a submodule of a plain module does not exist
-    assert cli("validate", "--site", "local", str(entrypoint_recipe(tmp_path, "tests.helpers.nothing:x", []))).exit_code == 2
+    assert (
+        cli("validate", "--site", "local", str(entrypoint_recipe(tmp_path, "tests.helpers.nothing:x", []))).exit_code
+        == 2
+    )
 
 
 def ended_local_run(tmp_path: Path, status: str) -> Path:
@@ -49,8 +59,12 @@ def ended_local_run(tmp_path: Path, status: str) -> Path:
     run_dir = tmp_path / spec.run_id
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "runspec.json").write_text(spec.model_dump_json())
-    (run_dir / "jobs.json").write_text(json.dumps([{"job_id": str(controller.pid), "scheduler": "local", "submitted": 1.0}]))
-    (run_dir / "state.json").write_text(json.dumps({"status": status, "job_id": str(controller.pid), "restart_count": 0}))
+    (run_dir / "jobs.json").write_text(
+        json.dumps([{"job_id": str(controller.pid), "scheduler": "local", "submitted": 1.0}])
+    )
+    (run_dir / "state.json").write_text(
+        json.dumps({"status": status, "job_id": str(controller.pid), "restart_count": 0})
+    )
     for rank in range(2):
         (run_dir / "logs" / f"{controller.pid}_{rank}_log.out").write_text(f"rank {rank} trained\n")
     return run_dir

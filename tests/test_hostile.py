@@ -38,13 +38,16 @@ STUB = """#!/bin/sh
 """
 # srun also keeps each call's exact words (NUL-separated, one file per call), and the failure
 # step's stdin; the launch exits with {status} after srun's message for a failed task.
-SRUN_STUB = STUB + """call=$(mktemp {calls}/call.XXXXXX)
+SRUN_STUB = (
+    STUB
+    + """call=$(mktemp {calls}/call.XXXXXX)
 printf '%s\\0' "$@" >"$call"
 case " $* " in
   *" -m hpcrun.runtime.failure "*) cat >"$call.stdin" ;;
   *" -m hpcrun.launch "*) if [ {status} -ne 0 ]; then echo "srun: error: node1: task 0: Exited with exit code {status}" >&2; exit {status}; fi ;;
 esac
 """
+)
 # Site setup lines are the site's own shell by design: they are checked for newlines only.
 SITE_SHELL = {"environment.setup"}
 # What the test sites' setup line sources, relative to the script's directory: it logs that it ran.
@@ -180,7 +183,11 @@ QUICKSTART = load_yaml(ROOT / "jobs" / "quickstart.yaml")  # a container site ha
 CASES = (
     [("site", "mycluster", SITE, p) for p in leaves(SITE)]
     + [("site", "words", SITE_WORDS, p) for p in leaves(SITE_WORDS) if p.startswith("environment.python.")]
-    + [("site", "container", SITE_CONTAINER, p) for p in leaves(SITE_CONTAINER) if p.startswith(("environment.container", "environment.python"))]
+    + [
+        ("site", "container", SITE_CONTAINER, p)
+        for p in leaves(SITE_CONTAINER)
+        if p.startswith(("environment.container", "environment.python"))
+    ]
     + [("recipe", "zero-infinity", RECIPE, p) for p in leaves(RECIPE)]
 )
 
@@ -190,7 +197,12 @@ def test_hostile_value(kind: str, base: dict[str, tp.Any], field: str, tmp_path:
     site = base if kind == "site" else SITE
     recipe = base if kind == "recipe" else (QUICKSTART if site is SITE_CONTAINER else RECIPE)
     baseline = cli(
-        "render", "--site", str(write_yaml(tmp_path / "base-site.yaml", site)), "--run-id", "r1", str(write_yaml(tmp_path / "base-recipe.yaml", recipe))
+        "render",
+        "--site",
+        str(write_yaml(tmp_path / "base-site.yaml", site)),
+        "--run-id",
+        "r1",
+        str(write_yaml(tmp_path / "base-recipe.yaml", recipe)),
     )
     assert baseline.exit_code == 0, baseline.output
     expected = directives(baseline.stdout)
@@ -218,10 +230,14 @@ def test_hostile_value(kind: str, base: dict[str, tp.Any], field: str, tmp_path:
         assert not mark.exists(), f"{field}={payload!r} executed an injected command"
         assert status == 0, f"{field}={payload!r}: the script exited {status}\n{calls}"
         assert launched(calls), f"{field}={payload!r}: the script stopped before its srun line\n{calls}"
-        assert not [w for w, _ in srun_calls(tmp_path) if "hpcrun.runtime.failure" in w], "failure step after a good step"
+        assert not [w for w, _ in srun_calls(tmp_path) if "hpcrun.runtime.failure" in w], (
+            "failure step after a good step"
+        )
         status, calls = run_script(script, tmp_path, srun_status=1)
         assert not mark.exists(), f"{field}={payload!r} executed an injected command (failed step)"
-        assert status == 1 and launched(calls), f"{field}={payload!r}: the failed step's script exited {status}\n{calls}"
+        assert status == 1 and launched(calls), (
+            f"{field}={payload!r}: the failed step's script exited {status}\n{calls}"
+        )
         check_failure_step(tmp_path, data if kind == "site" else site, f"{field}={payload!r}")
 
 
@@ -239,7 +255,11 @@ def test_setup_lines_reject_newlines(tmp_path: Path) -> None:
     [
         (SITE, "zero-infinity", "srun --unbuffered --kill-on-bad-exit=1"),
         (SITE_WORDS, "zero-infinity", "conda run -n ml python -u -m hpcrun.launch"),
-        (SITE_CONTAINER, "quickstart", "apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif python -u -m hpcrun.launch"),
+        (
+            SITE_CONTAINER,
+            "quickstart",
+            "apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif python -u -m hpcrun.launch",
+        ),
     ],
     ids=["mycluster", "python-words", "container"],
 )
@@ -248,7 +268,14 @@ def test_rendered_script_runs_every_line(site: dict[str, tp.Any], recipe: str, l
     node's name, the NVMe directory and the launch line all really execute."""
     data = load_yaml(ROOT / "jobs" / f"{recipe}.yaml")
     data["env"] = {"MY_FLAG": "value"}
-    result = cli("render", "--site", str(write_yaml(tmp_path / "s.yaml", site)), "--run-id", "r1", str(write_yaml(tmp_path / "r.yaml", data)))
+    result = cli(
+        "render",
+        "--site",
+        str(write_yaml(tmp_path / "s.yaml", site)),
+        "--run-id",
+        "r1",
+        str(write_yaml(tmp_path / "r.yaml", data)),
+    )
     assert result.exit_code == 0, result.output
     status, calls = run_script(result.stdout, tmp_path)
     assert status == 0, calls
@@ -260,7 +287,9 @@ def test_rendered_script_runs_every_line(site: dict[str, tp.Any], recipe: str, l
     expected = "MASTER_ADDR=node1-ib" if site is not SITE_CONTAINER else "MASTER_ADDR=node1 "
     assert expected in task and "MY_FLAG=value" in task, task
     if recipe == "zero-infinity":
-        assert any(line.startswith("srun ") and " mkdir -p /local/nvme/" in line and "/hpcrun-123 |" in line for line in lines), calls
+        assert any(
+            line.startswith("srun ") and " mkdir -p /local/nvme/" in line and "/hpcrun-123 |" in line for line in lines
+        ), calls
         assert " rm -rf /local/nvme/" in lines[-1], calls  # the EXIT trap
 
 
@@ -270,6 +299,8 @@ def test_injection_detector_works(tmp_path: Path) -> None:
     mark = tmp_path / "pwned"
     status, calls = run_script(f"#!/bin/bash\nexport X=$(touch {mark})\nsrun python -u -m hpcrun.launch x\n", tmp_path)
     assert mark.exists() and status == 0 and launched(calls)
-    status, calls = run_script("#!/bin/bash\nset -e\nsource /nonexistent/activate\nsrun python -u -m hpcrun.launch x\n", tmp_path)
+    status, calls = run_script(
+        "#!/bin/bash\nset -e\nsource /nonexistent/activate\nsrun python -u -m hpcrun.launch x\n", tmp_path
+    )
     assert status != 0 and not launched(calls)
     assert directives("#!/bin/bash\n#SBATCH --a=1\n#SBATCH --b\necho\n#SBATCH --c\n") == ["--a", "--b"]

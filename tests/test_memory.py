@@ -60,14 +60,19 @@ def test_activation_checkpointing_shrinks_activations() -> None:
 
 def test_plan_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
     recipe = tmp_path / "big.yaml"
-    recipe.write_text("name: big\njob: {kind: benchmark, model: 13b}\nprecision: bf16-mixed\nresources: {nodes: 1, gpus_per_node: 8, time: '01:00:00'}\ntraining: {micro_batch: 1, seq_len: 2048, activation_checkpointing: true}\n")
+    recipe.write_text(
+        "name: big\njob: {kind: benchmark, model: 13b}\nprecision: bf16-mixed\nresources: {nodes: 1, gpus_per_node: 8, time: '01:00:00'}\ntraining: {micro_batch: 1, seq_len: 2048, activation_checkpointing: true}\n"
+    )
     out = cli("plan", "--site", "mycluster", str(recipe))
     assert out.exit_code == 0, out.output
     assert "ddp" in out.output and "no" in out.output and "recommended:" in out.output
     assert "zero3-nvme" in out.output
 
 
-@pytest.mark.parametrize("params,largest,per_node,nodes", [(7_500_000_000, 200_000_000, 8, 8), (1_300_000_000, 103_000_000, 4, 2), (125_000_000, 38_000_000, 2, 1)])
+@pytest.mark.parametrize(
+    "params,largest,per_node,nodes",
+    [(7_500_000_000, 200_000_000, 8, 8), (1_300_000_000, 103_000_000, 4, 2), (125_000_000, 38_000_000, 2, 1)],
+)
 def test_deepspeed_estimators_agree(params: int, largest: int, per_node: int, nodes: int) -> None:
     """Our torch-free restatement equals DeepSpeed's own cold estimators."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -80,9 +85,13 @@ def test_deepspeed_estimators_agree(params: int, largest: int, per_node: int, no
 
     cpu, gpu = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=False)
     assert ours("zero2") == pytest.approx((cpu, gpu), rel=1e-9)
-    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False, zero_init=True
+    )
     assert ours("zero3") == pytest.approx((cpu, gpu), rel=1e-9)
-    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        params, largest, per_node, nodes, cpu_offload=True, cpu_offload_params=True, zero_init=True
+    )
     assert ours("zero3-cpu") == pytest.approx((cpu, gpu), rel=1e-9)
     assert option("ddp").library_estimate is None and option("fsdp-full").library_estimate is None
 

@@ -15,11 +15,11 @@ from hpcrun.errors import HpcrunError
 from tests.test_backend_fake import fake_tools
 
 # partition p1 has QOS `part` (4 per user), p2 none
-SCONTROL = '''case "$*" in
+SCONTROL = """case "$*" in
   "show config") echo "MaxArraySize            = 501"; echo "ClusterName             = c1";;
   "-a show partition -o") echo "PartitionName=p1 Nodes=n[1-2] QoS=Part State=UP"; echo "PartitionName=p2 Nodes=n3 QoS=N/A State=UP";;
   *) exit 1;;
-esac'''
+esac"""
 # the user holds four jobs: in p1 (QOS normal), in p2 (QOS capped), pending for either (QOS
 # normal), in p2 under another account; another user of the account one in p2 (QOS capped)
 # (only with -h -r -a: a header, an unexpanded array or a hidden partition's job left out would
@@ -115,7 +115,11 @@ def test_no_association_no_cap(bindir: Path) -> None:
 
 
 def test_no_accounting_storage_no_cap(bindir: Path) -> None:
-    fake_tools(bindir, scontrol=SCONTROL, sacctmgr='echo "sacctmgr: error: Problem talking to the database: accounting_storage plugin not set" >&2; exit 1')
+    fake_tools(
+        bindir,
+        scontrol=SCONTROL,
+        sacctmgr='echo "sacctmgr: error: Problem talking to the database: accounting_storage plugin not set" >&2; exit 1',
+    )
     assert quota.limits(None, None, ["p1"]) == (501, None)
 
 

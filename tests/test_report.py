@@ -40,23 +40,70 @@ def sweep(tmp: Path, diverge: str | None = None, seed_of: dict[str, int] | None 
         for i, (name, stage) in enumerate(STRATEGIES):
             label = LABELS[i]
             run_id = f"run-{label}-{nodes}n"
-            write_attempt(results, {
-                "run_id": run_id, "sweep_id": "sw1", "site": "testcluster", "cluster": "hpctest", "partition": "batch",
-                "strategy": name, "zero_stage": stage, "offload_optimizer": "none", "offload_param": "none",
-                "nodes": nodes, "world_size": 2 * nodes, "status": "completed", "model": "tiny", "seed": (seed_of or {}).get(label, 0),
-                "global_batch": 8 * nodes, "seq_len": 64, "tokens_per_s": 2000.0 * nodes * (1 - 0.1 * i), "tokens_per_s_per_gpu": 1000.0 * (1 - 0.1 * i),
-                "mfu": None, "peak_memory_bytes": int(4e8 * (4 - i)), "step_time_p50_s": 0.1 + 0.01 * i, "step_time_p95_s": 0.15 + 0.02 * i,
-                "final_loss": None, "node_list": "node[1-2]" if nodes == 2 else "node1", "job_id": f"{nodes}{i}", "restart_count": 0,
-                "torch_version": "2.13.0+cpu", "deepspeed_version": "0.19.8", "git_sha": "0123abc", "start_time": start,
-            })
+            write_attempt(
+                results,
+                {
+                    "run_id": run_id,
+                    "sweep_id": "sw1",
+                    "site": "testcluster",
+                    "cluster": "hpctest",
+                    "partition": "batch",
+                    "strategy": name,
+                    "zero_stage": stage,
+                    "offload_optimizer": "none",
+                    "offload_param": "none",
+                    "nodes": nodes,
+                    "world_size": 2 * nodes,
+                    "status": "completed",
+                    "model": "tiny",
+                    "seed": (seed_of or {}).get(label, 0),
+                    "global_batch": 8 * nodes,
+                    "seq_len": 64,
+                    "tokens_per_s": 2000.0 * nodes * (1 - 0.1 * i),
+                    "tokens_per_s_per_gpu": 1000.0 * (1 - 0.1 * i),
+                    "mfu": None,
+                    "peak_memory_bytes": int(4e8 * (4 - i)),
+                    "step_time_p50_s": 0.1 + 0.01 * i,
+                    "step_time_p95_s": 0.15 + 0.02 * i,
+                    "final_loss": None,
+                    "node_list": "node[1-2]" if nodes == 2 else "node1",
+                    "job_id": f"{nodes}{i}",
+                    "restart_count": 0,
+                    "torch_version": "2.13.0+cpu",
+                    "deepspeed_version": "0.19.8",
+                    "git_sha": "0123abc",
+                    "start_time": start,
+                },
+            )
             rows = []
             for step in range(1, steps + 1):
-                loss = 5 * math.exp(-step / 8) + 1 + 1e-7 * i + (0.02 * step / steps * 2 if label == diverge and nodes == 1 else 0.0)
-                rows.append({
-                    "run_id": run_id, "sweep_id": "sw1", "point_id": f"p{nodes}{i}", "stage": "main", "strategy": name, "job_id": f"{nodes}{i}",
-                    "restart_count": 0, "step": step, "time": start + dt.timedelta(seconds=step), "loss": loss, "lr": 1e-3,
-                    "step_time_s": 0.1, "step_time_min_s": 0.09, "step_time_median_s": 0.1, "step_time_max_s": 0.12, "slowest_rank": 1, "tokens_per_s": 2000.0,
-                })
+                loss = (
+                    5 * math.exp(-step / 8)
+                    + 1
+                    + 1e-7 * i
+                    + (0.02 * step / steps * 2 if label == diverge and nodes == 1 else 0.0)
+                )
+                rows.append(
+                    {
+                        "run_id": run_id,
+                        "sweep_id": "sw1",
+                        "point_id": f"p{nodes}{i}",
+                        "stage": "main",
+                        "strategy": name,
+                        "job_id": f"{nodes}{i}",
+                        "restart_count": 0,
+                        "step": step,
+                        "time": start + dt.timedelta(seconds=step),
+                        "loss": loss,
+                        "lr": 1e-3,
+                        "step_time_s": 0.1,
+                        "step_time_min_s": 0.09,
+                        "step_time_median_s": 0.1,
+                        "step_time_max_s": 0.12,
+                        "slowest_rank": 1,
+                        "tokens_per_s": 2000.0,
+                    }
+                )
             write_batch(results, rows, 0)
     return results
 
@@ -100,7 +147,9 @@ def test_page_in_human_units_with_nothing_fetched(tmp_path: Path) -> None:
     page = render(load(results), load_steps(results))
     text = html.unescape(re.sub(r'src="data:[^"]*"', 'src=""', page))
     assert "<NA>" not in text and not re.search(r"\b(nan|NaN|None)\b", text)
-    assert "1.60 GB" in text and "2 k" in text and "100 %" in text and "100 ms" in text and "–" in text  # MFU unmeasured: a dash
+    assert (
+        "1.60 GB" in text and "2 k" in text and "100 %" in text and "100 ms" in text and "–" in text
+    )  # MFU unmeasured: a dash
     assert not re.search(r'(src|href)="(?!data:)', page) and "<script" not in page and "url(" not in page
     for fact in ("testcluster", "batch", "node[1-2]", "2.13.0+cpu", "0.19.8", "0123abc"):
         assert fact in text, fact
@@ -131,8 +180,20 @@ def open_in_browser(page: Path, tmp: Path) -> tuple[list[list[object]], list[str
     probe = tmp / f"probe-{page.parent.name}.html"
     probe.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
     out = subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp / 'profile'}", "--dump-dom", probe.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--user-data-dir={tmp / 'profile'}",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     images = re.search(r'<body data-images="([^"]*)"', out.stdout)
@@ -145,7 +206,9 @@ def test_the_probe_sees_console_errors_and_broken_images(tmp_path: Path) -> None
     """The browser check below can fail: a script error and an undecodable image are seen."""
     bad = tmp_path / "bad" / "index.html"
     bad.parent.mkdir()
-    bad.write_text('<!doctype html><html><body><img data-figure="x" src="data:image/png;base64,AAAA"><script>undefined_function()</script></body></html>')
+    bad.write_text(
+        '<!doctype html><html><body><img data-figure="x" src="data:image/png;base64,AAAA"><script>undefined_function()</script></body></html>'
+    )
     images, console = open_in_browser(bad, tmp_path)
     assert images == [["x", True, 0, 0]] and any("undefined_function is not defined" in line for line in console)
 
@@ -155,7 +218,9 @@ def test_report_in_headless_chromium(tmp_path: Path) -> None:
     out = cli("report", "--dir", str(results), "--out", str(tmp_path / "report"))
     assert out.exit_code == 0, out.output
     page = Path(out.stdout.strip())
-    assert page == tmp_path / "report" / "index.html" and sorted(p.name for p in page.parent.iterdir()) == ["index.html"]
+    assert page == tmp_path / "report" / "index.html" and sorted(p.name for p in page.parent.iterdir()) == [
+        "index.html"
+    ]
     images, console = open_in_browser(page, tmp_path)
     assert console == []
     decoded = data_uris(page.read_text())
@@ -194,12 +259,20 @@ def test_report_from_real_runs(tmp_path: Path) -> None:
 
     site = site_copy(tmp_path)
     for strategy in ({"name": "ddp"}, {"name": "fsdp"}):
-        hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, strategy["name"], strategy=strategy, training={"steps": 5})))
+        hpcrun(
+            "submit",
+            "--site",
+            str(site),
+            "--wait",
+            str(recipe(tmp_path, strategy["name"], strategy=strategy, training={"steps": 5})),
+        )
     out = hpcrun("report", "--site", str(site), "--out", str(tmp_path / "report"))
     page = Path(out.stdout.strip()).read_text()
     losses = [attrs for attrs, _ in data_uris(page) if attrs["data-figure"].startswith("loss")]
     assert len(losses) == 1 and sorted(json.loads(html.unescape(losses[0]["data-series"]))) == ["ddp", "fsdp"]
-    assert re.search(r'<tr class="good"><td class="t">agree</td><td class="t">tiny</td><td class="t">ddp, fsdp</td>', page), page[-3000:]
+    assert re.search(
+        r'<tr class="good"><td class="t">agree</td><td class="t">tiny</td><td class="t">ddp, fsdp</td>', page
+    ), page[-3000:]
 
 
 def test_bar_labels_of_seven_strategies_do_not_overlap() -> None:

@@ -10,11 +10,22 @@ from pathlib import Path
 from hpcrun import steps as dataset
 from hpcrun.runtime.reported import Reported, parse
 
-IDS = {"run_id": "r1", "sweep_id": None, "point_id": None, "stage": None, "strategy": "ddp", "job_id": "7", "restart_count": 1}
+IDS = {
+    "run_id": "r1",
+    "sweep_id": None,
+    "point_id": None,
+    "stage": None,
+    "strategy": "ddp",
+    "job_id": "7",
+    "restart_count": 1,
+}
 
 
 def test_parse_known_columns_extra_and_time() -> None:
-    line = parse('{"step": 12, "loss": 2.5, "lr": 0.1, "time": 100.0, "total": 50, "accuracy": 0.75, "note": "x", "bad": NaN}', read_at=5.0)
+    line = parse(
+        '{"step": 12, "loss": 2.5, "lr": 0.1, "time": 100.0, "total": 50, "accuracy": 0.75, "note": "x", "bad": NaN}',
+        read_at=5.0,
+    )
     assert line is not None
     assert (line.step, line.time, line.total) == (12, 100.0, 50)
     assert line.values == {"loss": 2.5, "lr": 0.1}
@@ -34,14 +45,25 @@ def test_poll_writes_batches_and_progress_and_waits_for_whole_lines(tmp_path: Pa
     reader.poll()  # no file yet: nothing, no error
     assert not dataset.files(tmp_path / "results")
     with open(metrics, "w") as f:
-        f.write('{"step": 11, "loss": 3.0, "time": 100.0, "total": 20}\n{"step": 12, "loss": 2.0, "time": 102.0}\nnonsense\n{"step": 13, "lo')
+        f.write(
+            '{"step": 11, "loss": 3.0, "time": 100.0, "total": 20}\n{"step": 12, "loss": 2.0, "time": 102.0}\nnonsense\n{"step": 13, "lo'
+        )
     reader.poll()
     assert [line.step for line in reader.lines] == [11, 12]
     assert len(warnings) == 1 and "nonsense" in warnings[0]
     written = dataset.read(dataset.files(tmp_path / "results")).to_pylist()
-    assert [(r["step"], r["loss"], r["step_time_s"], r["job_id"]) for r in written] == [(11, 3.0, None, "7"), (12, 2.0, 2.0, "7")]
+    assert [(r["step"], r["loss"], r["step_time_s"], r["job_id"]) for r in written] == [
+        (11, 3.0, None, "7"),
+        (12, 2.0, 2.0, "7"),
+    ]
     shown = json.loads(progress.read_text())
-    assert (shown["step"], shown["total"], shown["loss"], shown["step_time_s"], shown["eta_s"]) == (12, 20, 2.0, 2.0, 16.0)
+    assert (shown["step"], shown["total"], shown["loss"], shown["step_time_s"], shown["eta_s"]) == (
+        12,
+        20,
+        2.0,
+        2.0,
+        16.0,
+    )
     with open(metrics, "a") as f:
         f.write('ss": 1.5, "time": 106.0}\nalso bad\n')  # the half line completed
     reader.poll()
@@ -61,7 +83,9 @@ def test_odd_numbers_neither_stop_the_reader_nor_reach_the_tables(tmp_path: Path
     assert line is not None and (line.values, line.extra, line.total) == ({}, {}, None)
     assert parse(f'{{"step": {2**63}}}', read_at=0.0) is None and parse('{"step": -1}', read_at=0.0) is None
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text(f'{{"step": 1, "loss": 2.0, "time": 1763800000000}}\n{{"step": 2, "loss": {huge}, "time": 1e400}}\n')
+    metrics.write_text(
+        f'{{"step": 1, "loss": 2.0, "time": 1763800000000}}\n{{"step": 2, "loss": {huge}, "time": 1e400}}\n'
+    )
     warnings: list[str] = []
     reader = Reported(metrics, str(tmp_path / "results"), tmp_path / "progress.json", IDS, warnings.append)
     reader.poll()
@@ -108,5 +132,8 @@ def test_a_line_the_tables_cannot_store_does_not_stop_the_record(tmp_path: Path)
         f.write('{"step": 2, "loss": 1.5, "time": 101.0}\n')
     reader.poll()
     written = dataset.read(dataset.files(tmp_path / "results")).to_pylist()
-    assert [(r["step"], r["loss"], dict(r["extra"])) for r in written] == [(1, 2.0, {"ok": 3.0}), (2, 1.5, {})] and not warnings, (written, warnings)
+    assert [(r["step"], r["loss"], dict(r["extra"])) for r in written] == [
+        (1, 2.0, {"ok": 3.0}),
+        (2, 1.5, {}),
+    ] and not warnings, (written, warnings)
     assert json.loads((tmp_path / "progress.json").read_text())["step"] == 2

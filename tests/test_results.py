@@ -135,7 +135,13 @@ def test_bad_files_are_reported_and_skipped(tmp_path: Path) -> None:
 
 
 def test_compare_scaling_efficiency(tmp_path: Path) -> None:
-    for nodes, per_gpu, strategy in [(1, 500.0, "ddp"), (2, 450.0, "ddp"), (1, 400.0, "fsdp"), (2, 400.0, "fsdp"), (2, 1.0, "ddp")]:
+    for nodes, per_gpu, strategy in [
+        (1, 500.0, "ddp"),
+        (2, 450.0, "ddp"),
+        (1, 400.0, "fsdp"),
+        (2, 400.0, "fsdp"),
+        (2, 1.0, "ddp"),
+    ]:
         status = "failed" if per_gpu == 1.0 else "completed"
         write_attempt(tmp_path, row(strategy=strategy, nodes=nodes, tokens_per_s_per_gpu=per_gpu, status=status))
     out = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "json")
@@ -264,8 +270,14 @@ def test_compaction_merges_only_files_it_may_remove() -> None:
         for i in range(2):
             os.chown(write_attempt(shared, row(attempt_id=f"nobody-{i}")), 65534, 65534)
         merge = "from hpcrun.results import compact; print(*compact(__import__('sys').argv[1]))"
-        out = subprocess.run([*run_as("65534"), sys.executable, "-c", merge, str(shared)], capture_output=True, text=True,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(shared)}, timeout=120)
+        out = subprocess.run(
+            [*run_as("65534"), sys.executable, "-c", merge, str(shared)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(shared)},
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["2", "2"]  # its own two files, nobody else's
         assert all(p.exists() for p in theirs)
@@ -278,10 +290,25 @@ def test_compaction_merges_only_files_it_may_remove() -> None:
 def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
     """ZeRO stages and offloads are separate rows (as in the report), a group that averages runs
     measuring different things says so, and the table reads in one unit per column."""
-    for stage, offload, model, rate in [(1, "none", "tiny", 11990.0), (2, "none", "tiny", 9920.0), (3, "cpu", "tiny", 8000.0),
-                                        (3, "nvme", "tiny", 7000.0), (3, "nvme", "small", 3000.0)]:
-        write_attempt(tmp_path, row(run_id=f"z{stage}{offload}{model}", strategy="deepspeed", zero_stage=stage, offload_optimizer=offload,
-                                    offload_param="none", model=model, tokens_per_s=rate))
+    for stage, offload, model, rate in [
+        (1, "none", "tiny", 11990.0),
+        (2, "none", "tiny", 9920.0),
+        (3, "cpu", "tiny", 8000.0),
+        (3, "nvme", "tiny", 7000.0),
+        (3, "nvme", "small", 3000.0),
+    ]:
+        write_attempt(
+            tmp_path,
+            row(
+                run_id=f"z{stage}{offload}{model}",
+                strategy="deepspeed",
+                zero_stage=stage,
+                offload_optimizer=offload,
+                offload_param="none",
+                model=model,
+                tokens_per_s=rate,
+            ),
+        )
     out = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "json")
     assert out.exit_code == 0, out.output
     table_ = pd.read_json(__import__("io").StringIO(out.stdout))

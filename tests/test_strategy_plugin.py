@@ -59,7 +59,15 @@ class Toy(Strategy):
     def result_columns(self) -> dict[str, tp.Any]:
         return {"zero_stage": None, "offload_optimizer": f"toy-{self.label}", "offload_param": "none"}
 
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(
+        self,
+        model: tp.Any,
+        make_optimizer: OptimizerFactory,
+        recipe: Recipe,
+        env: DistEnv,
+        run_dir: str | None,
+        nvme_dir: str | None,
+    ) -> Engine:
         from hpcrun.runtime.engine import TorchEngine
 
         model = model.to(env.device)
@@ -124,8 +132,15 @@ def test_toy_trains(toy: type[Toy], tmp_path: Path, monkeypatch: pytest.MonkeyPa
     run = RunDir(spec.run_dir)
     write_json(run.spec, spec.model_dump(mode="json"))
     assert json.loads(run.spec.read_text())["recipe"]["strategy"] == {"name": "toy", "label": "mine", "cpu_only": True}
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(21000 + os.getpid() % 1000), "HPCRUN_LOCAL_JOB_ID": "7"}.items():
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(21000 + os.getpid() % 1000),
+        "HPCRUN_LOCAL_JOB_ID": "7",
+    }.items():
         monkeypatch.setenv(name, value)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR2, signal.SIGTERM)}
     try:

@@ -40,14 +40,27 @@ def test_expand_matrix_include_exclude() -> None:
 
 def test_points_that_cannot_run_are_skipped_with_reason(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "s", "resources": {"gpus_per_node": 2},
-        "sweep": {"axes": {"resources.nodes": [1, 3], "strategy": ["ddp", {"name": "deepspeed", "stage": 3, "offload_param": "nvme"}]}},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "resources": {"gpus_per_node": 2},
+                "sweep": {
+                    "axes": {
+                        "resources.nodes": [1, 3],
+                        "strategy": ["ddp", {"name": "deepspeed", "stage": 3, "offload_param": "nvme"}],
+                    }
+                },
+            }
+        )
+    )
     pts = points(load_site("slingshot"), load_recipe(recipe), "sid")
     reasons = {p.label: p.skipped for p in pts}
     assert reasons["resources.nodes=1 strategy=ddp"] is None
-    assert "nvme offload needs storage.nvme" in reasons["resources.nodes=1 strategy=name=deepspeed,offload_param=nvme,stage=3"]
+    assert (
+        "nvme offload needs storage.nvme"
+        in reasons["resources.nodes=1 strategy=name=deepspeed,offload_param=nvme,stage=3"]
+    )
     assert all(p.spec is not None for p in pts if p.skipped is None)
     pts = points(load_site("testcluster"), load_recipe(recipe), "sid")
     assert "must be <= 2" in {p.label: p.skipped for p in pts}["resources.nodes=3 strategy=ddp"]
@@ -55,11 +68,18 @@ def test_points_that_cannot_run_are_skipped_with_reason(tmp_path: Path) -> None:
 
 def test_planner_skips_points_that_do_not_fit(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "big", "job": {"kind": "benchmark", "model": "13b"}, "precision": "bf16-mixed",
-        "resources": {"gpus_per_node": 8, "time": "01:00:00"}, "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
-        "sweep": {"axes": {"strategy": ["ddp", {"name": "deepspeed", "stage": 3}]}},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "big",
+                "job": {"kind": "benchmark", "model": "13b"},
+                "precision": "bf16-mixed",
+                "resources": {"gpus_per_node": 8, "time": "01:00:00"},
+                "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
+                "sweep": {"axes": {"strategy": ["ddp", {"name": "deepspeed", "stage": 3}]}},
+            }
+        )
+    )
     reasons = {p.label: p.skipped for p in points(load_site("mycluster"), load_recipe(recipe), "sid")}
     assert reasons["strategy=ddp"] == "planner: ddp needs 206.9 GB per GPU, has 80"
     assert reasons["strategy=name=deepspeed,stage=3"] is None
@@ -83,7 +103,10 @@ def test_ledger_merges_records(tmp_path: Path) -> None:
         ledger.record("p1", state="submitted", job_id="7")
         ledger.record("p2", state="submitted", job_id="8")
         ledger.save()
-    assert Ledger.read(tmp_path) == {"p1": {"state": "submitted", "reason": "x", "job_id": "7"}, "p2": {"state": "submitted", "job_id": "8"}}
+    assert Ledger.read(tmp_path) == {
+        "p1": {"state": "submitted", "reason": "x", "job_id": "7"},
+        "p2": {"state": "submitted", "job_id": "8"},
+    }
 
 
 FAKE_SBATCH = """
@@ -107,7 +130,10 @@ def test_ten_concurrent_sweeps_submit_each_point_once(tmp_path: Path) -> None:
     site = site_copy(tmp_path, "testcluster")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "hpcrun.cli", "sweep", "--site", str(site), "jobs/gpt-strategies.yaml"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(10)]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(10)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     submitted = (tmp_path / "submitted").read_text().splitlines()
@@ -125,7 +151,12 @@ def test_ten_concurrent_sweeps_submit_each_point_once(tmp_path: Path) -> None:
 def test_retry_failed_resubmits_only_failed_points(tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     fake_tools(
-        bindir, sbatch=FAKE_SBATCH, srun="exit 0", scontrol='echo "MaxArraySize            = 1001"', sacctmgr="exit 0", squeue="exit 0",
+        bindir,
+        sbatch=FAKE_SBATCH,
+        srun="exit 0",
+        scontrol='echo "MaxArraySize            = 1001"',
+        sacctmgr="exit 0",
+        squeue="exit 0",
         # the first array's task 1 failed, everything else completed
         sacct='for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do s=COMPLETED; [ "$j" = 101_1 ] && s=FAILED; echo "$j|$s|node1|5|None"; done',
     )

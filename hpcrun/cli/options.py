@@ -12,11 +12,19 @@ import click
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import SPEC, RunDir
 
-site_option = click.option("--site", "site_name", default="local", show_default=True, help="Site name on the search path, or a YAML file.")
+site_option = click.option(
+    "--site", "site_name", default="local", show_default=True, help="Site name on the search path, or a YAML file."
+)
 
 results_options = [
     site_option,
-    click.option("--dir", "results_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="A results directory (default: the site's)."),
+    click.option(
+        "--dir",
+        "results_dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="A results directory (default: the site's).",
+    ),
     click.option("--sweep", default=None, help="Only this sweep id."),
     click.option("--strategy", default=None, help="Only this strategy."),
     click.option("--since", default=None, help="Only runs started at or after this date/time (UTC)."),
@@ -61,7 +69,9 @@ def run_dirs(site_name: str, target: str | None, many: bool = False) -> list[Pat
     if not matches:
         raise HpcrunError(f"no run {target!r} under {root}", field="RUN")
     if len(matches) > 1:
-        names = ", ".join(p.name for p in matches[:SHOWN_CANDIDATES]) + (f" and {len(matches) - SHOWN_CANDIDATES} more" if len(matches) > SHOWN_CANDIDATES else "")
+        names = ", ".join(p.name for p in matches[:SHOWN_CANDIDATES]) + (
+            f" and {len(matches) - SHOWN_CANDIDATES} more" if len(matches) > SHOWN_CANDIDATES else ""
+        )
         raise HpcrunError(f"{target!r} matches {len(matches)} runs ({names}); give one run id", field="RUN")
     return matches
 

@@ -68,12 +68,24 @@ def plan_command(site_name: str, recipe: Path) -> None:
     site = load_site(site_name)
     recipe_file = load_recipe(recipe)
     if recipe_file.base.job.kind != "benchmark":
-        raise HpcrunError("the planner knows the built-in benchmark's model only (job.kind: benchmark)", recipe, "job.kind")
+        raise HpcrunError(
+            "the planner knows the built-in benchmark's model only (job.kind: benchmark)", recipe, "job.kind"
+        )
     spec = plan(site, recipe_file.base, recipe, "plan")
     rows = estimate(spec)
-    click.echo(f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} ({spec.recipe.precision}):")
+    click.echo(
+        f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} ({spec.recipe.precision}):"
+    )
     table = [
-        [e.option.name, f"{e.gpu_gb:.1f}", "" if e.deepspeed_gpu_gb is None else f"{e.deepspeed_gpu_gb:.1f}", f"{e.cpu_gb_per_node:.0f}", f"{e.nvme_gb_per_node:.0f}", "yes" if e.fits else "no", "" if e.fits else e.why]
+        [
+            e.option.name,
+            f"{e.gpu_gb:.1f}",
+            "" if e.deepspeed_gpu_gb is None else f"{e.deepspeed_gpu_gb:.1f}",
+            f"{e.cpu_gb_per_node:.0f}",
+            f"{e.nvme_gb_per_node:.0f}",
+            "yes" if e.fits else "no",
+            "" if e.fits else e.why,
+        ]
         for e in rows
     ]
     headers = ["strategy", "GPU GB", "DeepSpeed est. states GB", "host GB/node", "NVMe GB/node", "fits", "why not"]

@@ -43,7 +43,15 @@ def _emit(df: tp.Any, fmt: str) -> None:
         click.echo(df.to_json(orient="records", date_format="iso", indent=1))
     else:
         table = df.astype(object).where(df.notna(), "")
-        click.echo(tabulate(table, headers="keys", tablefmt="github" if fmt == "markdown" else "simple", showindex=False, floatfmt=".4g"))
+        click.echo(
+            tabulate(
+                table,
+                headers="keys",
+                tablefmt="github" if fmt == "markdown" else "simple",
+                showindex=False,
+                floatfmt=".4g",
+            )
+        )
 
 
 def _human(table: tp.Any) -> tp.Any:
@@ -67,12 +75,27 @@ tolerance_option = click.option(
 
 @click.group(invoke_without_command=True)
 @with_options(results_options)
-@click.option("--compare", "compare_keys", default=None, help="Pivot by these columns, e.g. strategy,nodes; with the table formats also whether the strategies' losses agree.")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True)
+@click.option(
+    "--compare",
+    "compare_keys",
+    default=None,
+    help="Pivot by these columns, e.g. strategy,nodes; with the table formats also whether the strategies' losses agree.",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True
+)
 @tolerance_option
 @click.pass_context
 def results(
-    ctx: click.Context, site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, compare_keys: str | None, fmt: str, tolerance: float | None
+    ctx: click.Context,
+    site_name: str,
+    results_dir: Path | None,
+    sweep: str | None,
+    strategy: str | None,
+    since: str | None,
+    compare_keys: str | None,
+    fmt: str,
+    tolerance: float | None,
 ) -> None:
     """Runs' measurements from the Parquet tables; `--compare strategy,nodes` for a comparison."""
     if ctx.invoked_subcommand is not None:
@@ -86,17 +109,37 @@ def results(
         _emit(table if fmt in ("csv", "json") else _human(table), fmt)
         for _, row in table[table["mixes"] != ""].iterrows():
             group = ", ".join(f"{k}={row[k]}" for k in keys)
-            click.echo(f"warning: {group} averages runs that differ in {row['mixes']}: compare like with like", err=True)
+            click.echo(
+                f"warning: {group} averages runs that differ in {row['mixes']}: compare like with like", err=True
+            )
         if fmt in ("table", "markdown"):  # csv and json stay one machine-readable table
             from hpcrun.compare import AGREE_TOLERANCE
             from hpcrun.site import load_site
 
-            lines = _agreement_lines(df, _steps_frame(results_dir or load_site(site_name).results_dir, df), AGREE_TOLERANCE if tolerance is None else tolerance)
+            lines = _agreement_lines(
+                df,
+                _steps_frame(results_dir or load_site(site_name).results_dir, df),
+                AGREE_TOLERANCE if tolerance is None else tolerance,
+            )
             if lines:
                 click.echo("\ndo the strategies agree? (same model, seed, global batch; loss over common steps)")
                 click.echo("\n".join(lines))
         return
-    columns = ["run_id", "status", "strategy", "zero_stage", "nodes", "world_size", "model", "tokens_per_s_per_gpu", "mfu", "step_time_p50_s", "peak_memory_bytes", "final_loss", "restart_count"]
+    columns = [
+        "run_id",
+        "status",
+        "strategy",
+        "zero_stage",
+        "nodes",
+        "world_size",
+        "model",
+        "tokens_per_s_per_gpu",
+        "mfu",
+        "step_time_p50_s",
+        "peak_memory_bytes",
+        "final_loss",
+        "restart_count",
+    ]
     _emit(df[columns] if fmt in ("table", "markdown") else df, fmt)
 
 
@@ -115,12 +158,16 @@ def results_compact(site_name: str, results_dir: Path | None) -> None:
 @results.command("check")
 @with_options(results_options)
 @click.option("--baseline", type=click.Path(dir_okay=False, path_type=Path), required=True, help="YAML of references.")
-def results_check(site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, baseline: Path) -> None:
+def results_check(
+    site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, baseline: Path
+) -> None:
     """Compare against recorded references; exit code 1 on a regression."""
     from hpcrun.compare import check, load_baseline
 
     refs = load_baseline(baseline)
-    lines = check(_results_frame(site_name, results_dir, {"sweep_id": sweep, "strategy": strategy}, since), refs, baseline)
+    lines = check(
+        _results_frame(site_name, results_dir, {"sweep_id": sweep, "strategy": strategy}, since), refs, baseline
+    )
     for line, _ in lines:
         click.echo(line)
     if not all(ok for _, ok in lines):
@@ -147,22 +194,37 @@ def _agreement_lines(df: tp.Any, steps: tp.Any, tolerance: float) -> list[str]:
 
     lines = []
     for row in agreement(df, steps, tolerance).itertuples():
-        what = f"model={row.model} seed={row.seed} global_batch={row.global_batch} seq_len={row.seq_len}: {row.strategies}"
+        what = (
+            f"model={row.model} seed={row.seed} global_batch={row.global_batch} seq_len={row.seq_len}: {row.strategies}"
+        )
         if missing(row.agree):
             lines.append(f"NO COMMON STEPS {what}")
         else:
             word = "agree   " if row.agree else "DISAGREE"
             where = f"{row.worst_pair} at step {row.worst_step} over {row.common_steps} common steps"
-            lines.append(f"{word} {what}: largest loss difference {row.max_abs_diff:.3g} ({row.max_rel_diff:.2e} relative, tolerance {tolerance:g}), {where}")
+            lines.append(
+                f"{word} {what}: largest loss difference {row.max_abs_diff:.3g} ({row.max_rel_diff:.2e} relative, tolerance {tolerance:g}), {where}"
+            )
     return lines
 
 
 @click.command()
 @with_options(results_options)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("hpcrun-report"), show_default=True)
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("hpcrun-report"), show_default=True
+)
 @click.option("--title", default="hpcrun report", show_default=True)
 @tolerance_option
-def report(site_name: str, results_dir: Path | None, sweep: str | None, strategy: str | None, since: str | None, out: Path, title: str, tolerance: float | None) -> None:
+def report(
+    site_name: str,
+    results_dir: Path | None,
+    sweep: str | None,
+    strategy: str | None,
+    since: str | None,
+    out: Path,
+    title: str,
+    tolerance: float | None,
+) -> None:
     """One self-contained HTML page (OUT/index.html): scaling, throughput, MFU, memory, loss
     curves, step-time spread, whether the strategies agree, and provenance."""
     from hpcrun.compare import AGREE_TOLERANCE

@@ -23,7 +23,10 @@ def sites(ctx: click.Context) -> None:
     for name, path in known_sites().items():
         try:
             site = load_site(str(path))
-            parts = ", ".join(f"{p} ({v.max_nodes}x{v.gpus_per_node or v.cpus_per_node} {v.gpu.model if v.gpu else 'CPU'})" for p, v in site.partitions.items())
+            parts = ", ".join(
+                f"{p} ({v.max_nodes}x{v.gpus_per_node or v.cpus_per_node} {v.gpu.model if v.gpu else 'CPU'})"
+                for p, v in site.partitions.items()
+            )
             click.echo(f"{name:14} {site.scheduler:6} {site.network.interconnect:10} {parts}  [{path}]")
         except HpcrunError as exc:
             click.echo(f"{name:14} INVALID  {exc.message}")
@@ -62,11 +65,17 @@ def doctor(site_name: str, nodes: int, login_only: bool) -> None:
     site = load_site(site_name)
     part = site.partitions[site.default_partition]
     ranks = min(part.max_ranks_per_node, 2) if not part.gpus_per_node else part.gpus_per_node
-    probe = Recipe.model_validate({
-        "name": "doctor", "resources": {"nodes": nodes, "gpus_per_node": ranks, "time": min(10, part.max_time)},
-        "job": {"kind": "command", "command": [*(site.environment.python or [sys.executable]), "-m", "hpcrun.runtime.probe"]},
-        "checkpoint": {"max_requeues": 0},  # a probe that fails has found something: never retry it
-    })
+    probe = Recipe.model_validate(
+        {
+            "name": "doctor",
+            "resources": {"nodes": nodes, "gpus_per_node": ranks, "time": min(10, part.max_time)},
+            "job": {
+                "kind": "command",
+                "command": [*(site.environment.python or [sys.executable]), "-m", "hpcrun.runtime.probe"],
+            },
+            "checkpoint": {"max_requeues": 0},  # a probe that fails has found something: never retry it
+        }
+    )
     spec = plan(site, probe, site.source or site.name, new_run_id("doctor"))
     findings = login_checks(site, render_script(spec))
     for finding in findings:

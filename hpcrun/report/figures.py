@@ -72,7 +72,13 @@ def scaling(table: pd.DataFrame, palette: dict[str, str]) -> Figure:
     ax.set_title("Scaling: throughput against nodes")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return Figure("scaling", "Scaling", _png(fig), {k: v for k, v in palette.items() if k in set(table["label"])}, "dashed: ideal linear scaling from each strategy's smallest node count")
+    return Figure(
+        "scaling",
+        "Scaling",
+        _png(fig),
+        {k: v for k, v in palette.items() if k in set(table["label"])},
+        "dashed: ideal linear scaling from each strategy's smallest node count",
+    )
 
 
 def _bars(ax: Axes, table: pd.DataFrame, column: str, scale: float, palette: dict[str, str], ylabel: str) -> bool:
@@ -90,7 +96,13 @@ def _bars(ax: Axes, table: pd.DataFrame, column: str, scale: float, palette: dic
                 continue
             value = float(cell[column].astype(float).iloc[0]) * scale
             x = i + (j - (len(node_counts) - 1) / 2) * width
-            ax.bar(x, value, width * 0.95, color=palette[label], alpha=1.0 - 0.35 * j / max(1, len(node_counts) - 1) if len(node_counts) > 1 else 1.0)
+            ax.bar(
+                x,
+                value,
+                width * 0.95,
+                color=palette[label],
+                alpha=1.0 - 0.35 * j / max(1, len(node_counts) - 1) if len(node_counts) > 1 else 1.0,
+            )
             ax.annotate(f"{nodes}n", (x, value), ha="center", va="bottom", fontsize=7)
     # side by side, seven names like `zero3+nvme` overlap in half a page's width: each option on a line of its own
     ax.set_xticks(range(len(labels)), [label.replace("+", "\n+") for label in labels] if len(labels) > 3 else labels)
@@ -108,7 +120,13 @@ def per_gpu(table: pd.DataFrame, palette: dict[str, str]) -> Figure:
     if not _bars(right, table, "mfu", 100.0, palette, "MFU (%)"):
         _nothing(right, "MFU not measured\n(the partition states no peak FLOPs)")
     right.set_title("Model FLOPs utilisation")
-    return Figure("per_gpu", "Throughput per GPU and MFU", _png(fig), palette_of(table, palette), "bars labelled with their node count (n)")
+    return Figure(
+        "per_gpu",
+        "Throughput per GPU and MFU",
+        _png(fig),
+        palette_of(table, palette),
+        "bars labelled with their node count (n)",
+    )
 
 
 def memory(table: pd.DataFrame, palette: dict[str, str]) -> Figure:
@@ -133,7 +151,14 @@ def step_times(table: pd.DataFrame, palette: dict[str, str]) -> Figure:
             if row["label"] not in labels or int(row["nodes"]) not in node_counts:
                 continue
             x = labels.index(row["label"]) + (node_counts.index(int(row["nodes"])) - (len(node_counts) - 1) / 2) * width
-            ax.errorbar(x, float(row["step_time_p50_s"]) * 1e3, yerr=[[0], [max(0.0, float(row["step_time_p95_s"] - row["step_time_p50_s"])) * 1e3]], color="black", capsize=4, linewidth=1)
+            ax.errorbar(
+                x,
+                float(row["step_time_p50_s"]) * 1e3,
+                yerr=[[0], [max(0.0, float(row["step_time_p95_s"] - row["step_time_p50_s"])) * 1e3]],
+                color="black",
+                capsize=4,
+                linewidth=1,
+            )
     else:
         _nothing(ax, "no step times measured")
     ax.set_title("Step time: p50 (bar) to p95 (whisker)")
@@ -153,7 +178,13 @@ def losses(curves: dict[str, pd.DataFrame], palette: dict[str, str], name: str, 
     fig, ax = plt.subplots(figsize=(9, 4.2))
     n = len(curves)
     for i, (label, curve) in enumerate(sorted(curves.items())):
-        ax.plot(curve["step"].astype(int), curve["loss"].astype(float), color=palette[label], label=label, linewidth=1.5 + 2.0 * (n - 1 - i))
+        ax.plot(
+            curve["step"].astype(int),
+            curve["loss"].astype(float),
+            color=palette[label],
+            label=label,
+            linewidth=1.5 + 2.0 * (n - 1 - i),
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -29,7 +29,10 @@ figcaption{color:#666;font-size:13px;max-width:640px}img{max-width:100%}
 
 
 def _table(header: list[str], rows: list[list[str]], left: int = 1, classes: list[str] | None = None) -> str:
-    head = "".join(f'<th class="t">{html.escape(h)}</th>' if i < left else f"<th>{html.escape(h)}</th>" for i, h in enumerate(header))
+    head = "".join(
+        f'<th class="t">{html.escape(h)}</th>' if i < left else f"<th>{html.escape(h)}</th>"
+        for i, h in enumerate(header)
+    )
     body = []
     for r, row in enumerate(rows):
         cls = f' class="{classes[r]}"' if classes and classes[r] else ""
@@ -47,15 +50,25 @@ def summary_table(done: pd.DataFrame) -> pd.DataFrame:
     memory, and scaling efficiency per GPU against the strategy's smallest node count."""
     grouped = done.groupby(["label", "nodes"], dropna=False)
     table = grouped.agg(
-        world_size=("world_size", "max"), runs=("run_id", "nunique"), tokens_per_s=("tokens_per_s", "mean"),
-        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "mean"), mfu=("mfu", "mean"),
-        step_time_p50_s=("step_time_p50_s", "median"), step_time_p95_s=("step_time_p95_s", "median"),
-        peak_memory_bytes=("peak_memory_bytes", "max"), final_loss=("final_loss", "mean"), restarts=("restart_count", "max"),
+        world_size=("world_size", "max"),
+        runs=("run_id", "nunique"),
+        tokens_per_s=("tokens_per_s", "mean"),
+        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "mean"),
+        mfu=("mfu", "mean"),
+        step_time_p50_s=("step_time_p50_s", "median"),
+        step_time_p95_s=("step_time_p95_s", "median"),
+        peak_memory_bytes=("peak_memory_bytes", "max"),
+        final_loss=("final_loss", "mean"),
+        restarts=("restart_count", "max"),
     ).reset_index()
     base = table.sort_values("nodes").groupby("label")["tokens_per_s_per_gpu"].first()
     first = {str(k): v for k, v in base.items()}
     table["scaling_efficiency"] = [
-        row.tokens_per_s_per_gpu / first[str(row.label)] if not units.missing(row.tokens_per_s_per_gpu) and not units.missing(first[str(row.label)]) and first[str(row.label)] else None
+        row.tokens_per_s_per_gpu / first[str(row.label)]
+        if not units.missing(row.tokens_per_s_per_gpu)
+        and not units.missing(first[str(row.label)])
+        and first[str(row.label)]
+        else None
         for row in table.itertuples()
     ]
     return table.sort_values(["label", "nodes"]).reset_index(drop=True)
@@ -70,7 +83,9 @@ def _img(figure: Figure) -> str:
     return f'<figure><img src="data:image/png;base64,{data}" alt="{alt}" data-figure="{figure.name}" data-series="{series}">{caption}</figure>'
 
 
-def _loss_figures(done: pd.DataFrame, steps: pd.DataFrame, agree: pd.DataFrame, palette: dict[str, str]) -> list[Figure]:
+def _loss_figures(
+    done: pd.DataFrame, steps: pd.DataFrame, agree: pd.DataFrame, palette: dict[str, str]
+) -> list[Figure]:
     """One loss plot per group of runs that trained the same model (the agreement check's
     groups), one line per strategy: the newest run of each."""
     if steps.empty:
@@ -106,12 +121,44 @@ def _agreement_html(agree: pd.DataFrame) -> str:
     for row in agree.itertuples():
         verdict = "no common steps" if units.missing(row.agree) else "agree" if row.agree else "DISAGREE"
         classes.append("good" if verdict == "agree" else "bad")
-        rows.append([verdict, _e(row.model), _e(row.strategies), _e(row.worst_pair), _e(row.seed), _e(row.global_batch), _e(row.seq_len), _e(row.common_steps),
-                     _e(units.plain(row.max_abs_diff, "{:.3g}")), html.escape(units.plain(row.max_rel_diff, "{:.2e}")), _e(row.worst_step)])
+        rows.append(
+            [
+                verdict,
+                _e(row.model),
+                _e(row.strategies),
+                _e(row.worst_pair),
+                _e(row.seed),
+                _e(row.global_batch),
+                _e(row.seq_len),
+                _e(row.common_steps),
+                _e(units.plain(row.max_abs_diff, "{:.3g}")),
+                html.escape(units.plain(row.max_rel_diff, "{:.2e}")),
+                _e(row.worst_step),
+            ]
+        )
     tol = float(agree["tolerance"].iloc[0])
-    return (f"<p>Same model, seed and global batch should give the same loss whatever the strategy. Largest difference over the steps all runs logged; "
-            f"flagged above a relative tolerance of {tol:g}.</p>"
-            + _table(["verdict", "model", "strategies", "worst pair", "seed", "global batch", "seq len", "common steps", "max |Δloss|", "max relative", "at step"], rows, left=4, classes=classes))
+    return (
+        f"<p>Same model, seed and global batch should give the same loss whatever the strategy. Largest difference over the steps all runs logged; "
+        f"flagged above a relative tolerance of {tol:g}.</p>"
+        + _table(
+            [
+                "verdict",
+                "model",
+                "strategies",
+                "worst pair",
+                "seed",
+                "global batch",
+                "seq len",
+                "common steps",
+                "max |Δloss|",
+                "max relative",
+                "at step",
+            ],
+            rows,
+            left=4,
+            classes=classes,
+        )
+    )
 
 
 def _provenance(done: pd.DataFrame) -> str:
@@ -121,27 +168,61 @@ def _provenance(done: pd.DataFrame) -> str:
         found = sorted({str(v) for v in done[column] if not units.missing(v)})
         return html.escape(", ".join(found)) if found else units.DASH
 
-    facts = [("site", "site"), ("cluster", "cluster"), ("partition", "partition"), ("sweep", "sweep_id"), ("model", "model"), ("precision", "precision"),
-             ("hpcrun", "hpcrun_version"), ("torch", "torch_version"), ("DeepSpeed", "deepspeed_version"), ("NCCL", "nccl_version"), ("git sha", "git_sha")]
+    facts = [
+        ("site", "site"),
+        ("cluster", "cluster"),
+        ("partition", "partition"),
+        ("sweep", "sweep_id"),
+        ("model", "model"),
+        ("precision", "precision"),
+        ("hpcrun", "hpcrun_version"),
+        ("torch", "torch_version"),
+        ("DeepSpeed", "deepspeed_version"),
+        ("NCCL", "nccl_version"),
+        ("git sha", "git_sha"),
+    ]
     head = _table(["", "value"], [[html.escape(name), values(col)] for name, col in facts], left=2)
-    runs = [[_e(r.run_id), _e(r.label), _e(r.nodes), _e(r.job_id), _e(r.node_list), _e(r.restart_count), _e(r.start_time)]
-            for r in done.sort_values(["label", "nodes"]).itertuples()]
+    runs = [
+        [_e(r.run_id), _e(r.label), _e(r.nodes), _e(r.job_id), _e(r.node_list), _e(r.restart_count), _e(r.start_time)]
+        for r in done.sort_values(["label", "nodes"]).itertuples()
+    ]
     return head + _table(["run", "strategy", "nodes", "job", "node list", "restarts", "started"], runs, left=5)
 
 
-def render(summary: pd.DataFrame, steps: pd.DataFrame, title: str = "hpcrun report", tolerance: float = AGREE_TOLERANCE) -> str:
+def render(
+    summary: pd.DataFrame, steps: pd.DataFrame, title: str = "hpcrun report", tolerance: float = AGREE_TOLERANCE
+) -> str:
     """The page's HTML for the completed runs of `summary` and their per-step rows `steps`."""
     done = summary[summary["status"] == "completed"].copy()
     done["label"] = strategy_label(done)
     palette = figures.colours(done["label"])
     table = summary_table(done)
     agree = agreement(summary, steps, tolerance)
-    plots = [figures.scaling(table, palette), figures.per_gpu(table, palette), figures.memory(table, palette), figures.step_times(table, palette)]
+    plots = [
+        figures.scaling(table, palette),
+        figures.per_gpu(table, palette),
+        figures.memory(table, palette),
+        figures.step_times(table, palette),
+    ]
     loss = _loss_figures(done, steps, agree, palette)
-    rows = [[f'<span class="swatch" style="background:{palette[str(r.label)]}"></span>{html.escape(str(r.label))}', _e(r.nodes), _e(r.world_size), _e(r.runs),
-             units.kilo(r.tokens_per_s), units.kilo(r.tokens_per_s_per_gpu), units.percent(r.mfu), units.percent(r.scaling_efficiency, 0),
-             units.milliseconds(r.step_time_p50_s), units.milliseconds(r.step_time_p95_s), units.gigabytes(r.peak_memory_bytes),
-             _e(units.plain(r.final_loss, "{:.4f}")), _e(r.restarts)] for r in table.itertuples()]
+    rows = [
+        [
+            f'<span class="swatch" style="background:{palette[str(r.label)]}"></span>{html.escape(str(r.label))}',
+            _e(r.nodes),
+            _e(r.world_size),
+            _e(r.runs),
+            units.kilo(r.tokens_per_s),
+            units.kilo(r.tokens_per_s_per_gpu),
+            units.percent(r.mfu),
+            units.percent(r.scaling_efficiency, 0),
+            units.milliseconds(r.step_time_p50_s),
+            units.milliseconds(r.step_time_p95_s),
+            units.gigabytes(r.peak_memory_bytes),
+            _e(units.plain(r.final_loss, "{:.4f}")),
+            _e(r.restarts),
+        ]
+        for r in table.itertuples()
+    ]
     when = f"{len(done)} completed runs of {len(summary)} attempts · made {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
     loss_html = "".join(_img(f) for f in loss) or "<p>No per-step losses were recorded for these runs.</p>"
     return f"""<!doctype html>
@@ -164,7 +245,13 @@ def render(summary: pd.DataFrame, steps: pd.DataFrame, title: str = "hpcrun repo
 """
 
 
-def report(summary: pd.DataFrame, steps: pd.DataFrame, out: Path, title: str = "hpcrun report", tolerance: float = AGREE_TOLERANCE) -> Path:
+def report(
+    summary: pd.DataFrame,
+    steps: pd.DataFrame,
+    out: Path,
+    title: str = "hpcrun report",
+    tolerance: float = AGREE_TOLERANCE,
+) -> Path:
     """Write `out/index.html` (the whole report in one file) and return its path."""
     from hpcrun.rundir import atomic_write
 

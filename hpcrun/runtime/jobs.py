@@ -16,7 +16,9 @@ from hpcrun.runtime.context import Context
 from hpcrun.sizes import GPTSize
 
 
-def builtin_benchmark(ctx: Context, size: GPTSize | None = None, after_step: tp.Callable[[int], None] | None = None) -> None:
+def builtin_benchmark(
+    ctx: Context, size: GPTSize | None = None, after_step: tp.Callable[[int], None] | None = None
+) -> None:
     """The GPT benchmark: synthetic tokens, AdamW, the recipe's strategy and precision. An
     entrypoint may run it with a model `size` of its own and an `after_step` hook (the tests'
     time-bounded jobs pause there)."""
@@ -30,7 +32,9 @@ def builtin_benchmark(ctx: Context, size: GPTSize | None = None, after_step: tp.
     meta = ctx.spec.strategy.init_on_meta() and not ctx.spec.init_weights
     with torch.device("meta") if meta else torch.device("cpu"):
         model = GPT(size, training.seq_len, training.activation_checkpointing)
-    engine = ctx.setup(model, lambda params: torch.optim.AdamW(params, lr=training.lr, betas=(0.9, 0.95), weight_decay=0.0))
+    engine = ctx.setup(
+        model, lambda params: torch.optim.AdamW(params, lr=training.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    )
     mb, accum = training.micro_batch, training.grad_accum
     for step in ctx.steps():
         losses = []
@@ -56,4 +60,8 @@ def user_entrypoint(ctx: Context) -> None:
     getattr(importlib.import_module(module_name), func_name)(ctx)
 
 
-JOBS: dict[str, tp.Callable[[Context], None]] = {"benchmark": builtin_benchmark, "entrypoint": user_entrypoint, "command": run_command}
+JOBS: dict[str, tp.Callable[[Context], None]] = {
+    "benchmark": builtin_benchmark,
+    "entrypoint": user_entrypoint,
+    "command": run_command,
+}

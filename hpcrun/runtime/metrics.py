@@ -49,7 +49,11 @@ def summarise(
         "samples_per_s": samples_per_step / mean if mean and samples_per_step else None,
     }
     row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / world if row["tokens_per_s"] else None
-    tflops = (row["tokens_per_s_per_gpu"] * flops_per_token / 1e12) if flops_per_token and row["tokens_per_s_per_gpu"] else None
+    tflops = (
+        (row["tokens_per_s_per_gpu"] * flops_per_token / 1e12)
+        if flops_per_token and row["tokens_per_s_per_gpu"]
+        else None
+    )
     row["tflops_per_gpu"] = tflops
     row["mfu"] = tflops / peak_tflops if tflops is not None and peak_tflops else None
     row["final_loss"] = m.losses[-1] if m.losses else None

@@ -66,7 +66,11 @@ class GPT(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(pos)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
+            x = (
+                checkpoint(block, x, use_reentrant=False)
+                if self.activation_checkpointing and self.training
+                else block(x)
+            )
         logits = self.ln(x) @ self.tok.weight.T  # tied embeddings
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 

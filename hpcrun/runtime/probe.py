@@ -35,15 +35,22 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
     report: dict[str, object] = {
-        "rank": rank, "world": world, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
-        "interface": iface, "address": interface_address(iface) if iface else None,
-        "interfaces": [n for _, n in socket.if_nameindex()], "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+        "rank": rank,
+        "world": world,
+        "host": socket.gethostname(),
+        "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
+        "interface": iface,
+        "address": interface_address(iface) if iface else None,
+        "interfaces": [n for _, n in socket.if_nameindex()],
+        "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     }
     out = RunDir(run_dir).probe_report(rank)
     write_json(out, report)  # written before connecting: a wrong interface still reports
     if iface and report["address"] is None:
-        raise SystemExit(f"rank {rank} on {report['node']}: interface {iface!r} has no IPv4 address here (interfaces: {report['interfaces']})")
+        raise SystemExit(
+            f"rank {rank} on {report['node']}: interface {iface!r} has no IPv4 address here (interfaces: {report['interfaces']})"
+        )
 
     import torch
     import torch.distributed as dist
@@ -51,7 +58,11 @@ def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend)
-    report.update(torch=torch.__version__, backend=backend, nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None)
+    report.update(
+        torch=torch.__version__,
+        backend=backend,
+        nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
+    )
     # a fixed amount of local work, to spot a slow node
     a = torch.randn(512, 512, device=device)
     start = time.perf_counter()
@@ -76,7 +87,9 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         elapsed = statistics.median(times)
         algbw = size / elapsed / 1e9
-        rows.append({"bytes": size, "time_us": elapsed * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (world - 1) / world})
+        rows.append(
+            {"bytes": size, "time_us": elapsed * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (world - 1) / world}
+        )
     report["allreduce"] = rows
     write_json(out, report)
     dist.destroy_process_group()

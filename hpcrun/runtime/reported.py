@@ -97,7 +97,9 @@ class Reported:
     """Rank 0's reader of one attempt's reported metrics: `poll` writes what is new, `lines`
     holds everything read."""
 
-    def __init__(self, path: Path, results_dir: str, progress: Path, ids: dict[str, tp.Any], warn: tp.Callable[[str], None]) -> None:
+    def __init__(
+        self, path: Path, results_dir: str, progress: Path, ids: dict[str, tp.Any], warn: tp.Callable[[str], None]
+    ) -> None:
         self.path, self.results_dir, self.progress_path, self.ids, self.warn = path, results_dir, progress, ids, warn
         self.offset = 0
         self.lines: list[Line] = []
@@ -138,12 +140,21 @@ class Reported:
         previous = self.lines[-len(new) - 1] if len(self.lines) > len(new) else None
         rows = []
         for line in new:
-            rows.append({
-                **self.ids, "step": line.step, "time": dt.datetime.fromtimestamp(line.time or line.read_at, dt.timezone.utc),
-                **{k: line.values.get(k) for k in COLUMNS},
-                "step_time_s": _step_seconds(previous, line), "step_time_min_s": None, "step_time_median_s": None, "step_time_max_s": None,
-                "slowest_rank": None, "memory_bytes": None, "extra": line.extra,
-            })
+            rows.append(
+                {
+                    **self.ids,
+                    "step": line.step,
+                    "time": dt.datetime.fromtimestamp(line.time or line.read_at, dt.timezone.utc),
+                    **{k: line.values.get(k) for k in COLUMNS},
+                    "step_time_s": _step_seconds(previous, line),
+                    "step_time_min_s": None,
+                    "step_time_median_s": None,
+                    "step_time_max_s": None,
+                    "slowest_rank": None,
+                    "memory_bytes": None,
+                    "extra": line.extra,
+                }
+            )
             previous = line
         return rows
 
@@ -169,7 +180,9 @@ class Reported:
             line = parse(raw, now)
             if line is None:
                 if not self.warned:
-                    self.warn(f"{self.path}: skipped a line that is not a JSON object with an integer 'step': {raw[:120]!r}")
+                    self.warn(
+                        f"{self.path}: skipped a line that is not a JSON object with an integer 'step': {raw[:120]!r}"
+                    )
                     self.warned = True
                 continue
             lines.append(line)
@@ -179,8 +192,17 @@ class Reported:
         last = self.lines[-1]
         total = next((line.total for line in reversed(self.lines) if line.total), None)
         seconds = progress.typical_step_s(self.step_times()[-20:])  # the recent steps, as a built-in batch
-        progress.write(self.progress_path, last.step, total, last.values.get("loss"), last.values.get("tokens_per_s"), seconds,
-                       self.ids["job_id"], self.ids["restart_count"], None)
+        progress.write(
+            self.progress_path,
+            last.step,
+            total,
+            last.values.get("loss"),
+            last.values.get("tokens_per_s"),
+            seconds,
+            self.ids["job_id"],
+            self.ids["restart_count"],
+            None,
+        )
 
 
 def _step_seconds(previous: Line | None, line: Line) -> float | None:
