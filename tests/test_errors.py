@@ -187,7 +187,8 @@ def test_exact_id_wins_over_longer_ids(tmp_path: Path) -> None:
 
 
 def test_sweep_id_names_its_runs_where_many_are_meant(bare_path: Path, tmp_path: Path) -> None:
-    fake_tools(bare_path, scancel='echo "$@" >>"$FAKE_DIR/cancelled"')
+    # cancel asks first whether each job has ended: job 11 still runs
+    fake_tools(bare_path, scancel='echo "$@" >>"$FAKE_DIR/cancelled"', sacct='printf "11|RUNNING|node1|5|None\\n"')
     site = site_copy(tmp_path)
     for name in ("sw-1.p1", "sw-1.p2", "sw-10.p1"):
         fake_run(tmp_path / "runs", name)
