@@ -132,6 +132,9 @@ class Fault(Frozen):
     """A rank whose fixed local work takes more than this many times the other ranks' median, at
     three quarters of its latest metrics flushes (at least 3, spanning at least 10 s), is named
     slow with its node (status, results `slow_ranks`). None: no check."""
+    straggler_probe_share: float = pydantic.Field(default=0.005, gt=0, le=1)
+    """The most of the ranks' time the slow-rank check's probe may take: probes come at most this
+    often (and never more than every 2.5 s): ~every 8 s at a CPU rank's 40 ms probe, 2.5 s on a GPU."""
     exclude_slow_nodes: bool = False
     """A requeued job also avoids the nodes of ranks named slow, while the partition has enough."""
 

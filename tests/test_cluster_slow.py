@@ -29,7 +29,8 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
     node, for real): it is named with its node in state.json, `hpcrun status` and the attempt's
     results row; with `fault.exclude_slow_nodes` the job, requeued (USR2), leaves that node out
     and completes on the other with the weights of an uninterrupted run."""
-    fault = {"straggler_factor": 2.0, "exclude_slow_nodes": True}
+    # probes as often as every 2.5 s (the default share spaces them ~16 s apart on these CPUs): named within the bound
+    fault = {"straggler_factor": 2.0, "exclude_slow_nodes": True, "straggler_probe_share": 0.05}
     # 0.8 s per step: >= 16 s of training after the first checkpoint, throttled or not, for the
     # slow rank to be named (slow for PERSISTENT_S) and the job then to be cut while it runs
     run_dir, job = submit(tmp_path, "slow-rank", resources={"gpus_per_node": 2, "time": "00:10:00"},

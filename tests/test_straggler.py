@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcrun.rundir import CorruptStateError, RunDir
-from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, Stragglers, probe
+from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, PROBE_EVERY_S, Stragglers, probe, probe_interval
 from hpcrun.status import run_notes
 
 NODES = ["node1", "node1", "node2", "node2"]
@@ -66,6 +66,15 @@ def test_two_ranks_each_compare_with_the_other() -> None:
     judge = Stragglers(2.0, ["a", "b"])
     found = [judge.check([0.01, 0.04], now=i * PERSISTENT_S) for i in range(PERSISTENT)]
     assert [s.rank for s in found[-1]] == [1] and found[0] == []  # the fast one is not named for being half
+
+
+def test_probes_keep_to_their_share_of_the_ranks_time() -> None:
+    """A CPU rank's ~40 ms probe at the default 0.5% comes every 8 s, not every 2.5 s (1.6% of the
+    training at fast steps); a GPU's few ms keep the 2.5 s floor. The median decides: one slow rank
+    (the one to be named) does not space the checks out."""
+    assert probe_interval([0.04, 0.04, 0.05, 0.6], 0.005) == pytest.approx(9.0)
+    assert probe_interval([0.003, 0.002], 0.005) == PROBE_EVERY_S
+    assert probe_interval([0.04, 0.04], 0.05) == PROBE_EVERY_S
 
 
 def test_probe_times_local_work() -> None:

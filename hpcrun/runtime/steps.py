@@ -28,7 +28,7 @@ from hpcrun.rundir import RunDir, read_json
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
 from hpcrun.runtime.metrics import peak_memory_bytes
-from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, PROBE_EVERY_S, SLOW_SHARE, Stragglers, probe
+from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, PROBE_EVERY_S, SLOW_SHARE, Stragglers, probe, probe_interval
 
 if tp.TYPE_CHECKING:
     from hpcrun.runtime.context import Context
@@ -105,6 +105,7 @@ class StepRecorder:
         factor = ctx.recipe.fault.straggler_factor
         self.probing = bool(factor) and ctx.world_size > 1 and dist.is_initialized()
         self.last_probe = -math.inf
+        self.probe_every = PROBE_EVERY_S  # until the first probe's time is known (probe_interval)
         self.stragglers: Stragglers | None = None
         if self.probing and factor:
             nodes: list[tp.Any] = [None] * ctx.world_size
@@ -136,8 +137,8 @@ class StepRecorder:
 
     def probe_due(self) -> bool:
         """Whether this rank would probe for slow ranks at the next flush: at most once every
-        PROBE_EVERY_S, however often flushes come (all ranks then agree, as for `due`)."""
-        return self.probing and time.monotonic() - self.last_probe >= PROBE_EVERY_S
+        `probe_every`, however often flushes come (all ranks then agree, as for `due`)."""
+        return self.probing and time.monotonic() - self.last_probe >= self.probe_every
 
     def flush(self, collective: bool = True, probing: bool = False) -> None:
         """Rank 0 hands the pending steps' rows to its writer. Collective: every rank calls it at
@@ -164,6 +165,7 @@ class StepRecorder:
             if probing:
                 self.last_probe, self.probes = time.monotonic(), self.probes + 1
                 gathered, probes = gathered[:, :-1], gathered[:, -1].tolist()
+                self.probe_every = probe_interval(probes, self.ctx.recipe.fault.straggler_probe_share)
                 self._judge(probes)
         else:  # a rank alone (leaving on an error): its own times and losses only
             gathered = torch.tensor([local], dtype=torch.float64)
@@ -171,25 +173,33 @@ class StepRecorder:
         if self.writer is None:
             return
         times, losses = gathered[:, : len(sampled)], gathered[:, len(sampled):]
-        spread = {}
-        for column, i in enumerate(sampled):
-            per_rank = times[:, column]
-            spread[i] = (float(per_rank.min()), float(per_rank.quantile(0.5)), float(per_rank.max()), int(per_rank.argmax()))
+        spread: dict[int, tuple[float, float, float, int]] = {}
+        if sampled:  # every sampled step's min, median, max and slowest rank at once (one op per statistic, not per step)
+            columns = zip(times.min(0).values.tolist(), times.quantile(0.5, dim=0).tolist(), times.max(0).values.tolist(),
+                          times.argmax(0).tolist())
+            spread = dict(zip(sampled, columns))
         mean_loss = losses.sum(0) / world if collective else (losses[0] if world == 1 else torch.full((len(batch),), math.nan))
+        seq, self.seq = self.seq, self.seq + 1
+        losses_now = mean_loss.tolist()
+        self.writer.submit(lambda: self._write(self._rows(batch, spread, losses_now), seq))  # rows built off the training thread
+
+    def _rows(self, batch: list[Pending], spread: dict[int, tuple[float, float, float, int]],
+              mean_loss: list[float]) -> list[dict[str, tp.Any]]:
+        """The steps table's rows of one flush (rank 0's writer thread)."""
         rows = []
         for i, p in enumerate(batch):
             low, median, high, slowest = spread.get(i, (None, None, None, None))
-            loss = float(mean_loss[i])
+            loss = mean_loss[i]
             rows.append({
                 **self.ids, "step": p.step, "time": dt.datetime.fromtimestamp(p.ended, dt.timezone.utc),
                 "loss": None if math.isnan(loss) else loss, "lr": p.lr,
                 "grad_norm": None if p.grad_norm is None else float(p.grad_norm),
                 "step_time_s": p.seconds, "step_time_min_s": low, "step_time_median_s": median, "step_time_max_s": high,
-                "slowest_rank": slowest, "tokens_per_s": self.tokens_per_step / p.seconds if self.tokens_per_step and p.seconds else None,
+                "slowest_rank": slowest,
+                "tokens_per_s": self.tokens_per_step / p.seconds if self.tokens_per_step and p.seconds else None,
                 "memory_bytes": p.memory, "extra": dict(p.extra),
             })
-        seq, self.seq = self.seq, self.seq + 1
-        self.writer.submit(lambda: self._write(rows, seq))
+        return rows
 
     def _judge(self, probes: list[float]) -> None:
         """Rank 0: name ranks that stay slow; the run's record (and the exclusion, when asked

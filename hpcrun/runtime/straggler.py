@@ -24,10 +24,14 @@ quota by a tick and repay it afterwards. A 5 ms probe on a process held to a ten
 4 to 70 ms (often as fast as an unthrottled one: seen never naming it under load); a 40 ms probe
 took 300 to 400 ms every time, 3x or more an unthrottled one's on the same busy machine.
 
-What it costs: one probe per flush (default every 30 s or 100 steps), and at most one every
-PROBE_EVERY_S however often flushes come: ~40 ms of CPU (at most 1.6% of a CPU rank's time), a
-few ms of GPU. Why not rarer: a verdict's window spans PERSISTENT_S, and at PROBE_EVERY_S it
-still holds five checks, so a share (not a streak) decides.
+What it costs: one probe per flush (default every 30 s or 100 steps), and no more often than
+keeps the probes within `fault.straggler_probe_share` of the ranks' time (default 0.5%: at a CPU
+rank's ~40 ms, one every 8 s; at 4 ranks sharing 2 cores, ~80 ms and one every 16 s), measured
+from the previous probe's median time on every rank, and never more often than PROBE_EVERY_S
+(a GPU's few ms). At 20 ms steps and 100-step flushes the probe once took 1.6% of the training
+(benchmarks/RESULTS.md). A share above PROBE_EVERY_S's (`fault.straggler_probe_share: 0.05`)
+names a slow rank sooner: a verdict's window spans PERSISTENT_S, and at PROBE_EVERY_S it holds
+five checks, so a share (not a streak) decides.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ PERSISTENT = 3  # the fewest checks a verdict rests on
 PERSISTENT_S = 10.0  # the shortest span of checks a verdict rests on (at 30 s flushes, 3 checks span longer)
 SLOW_SHARE = 0.75  # the share of those checks a rank must be slow in (of 3: all of them)
 PROBE_EVERY_S = PERSISTENT_S / 4  # the least time between probes (however often flushes come): see the docstring
+
+
+def probe_interval(probe_s: list[float], share: float) -> float:
+    """Seconds from one probe to the next: as long as keeps the ranks' median probe within `share`
+    of their time, and at least PROBE_EVERY_S. Every rank computes it from the same gathered
+    times, so all agree."""
+    return max(PROBE_EVERY_S, statistics.median(probe_s) / share)
 CPU_SIZE, CPU_ROUNDS = 192, 192  # ~40 ms of CPU (30-40 ms here with one intra-op thread): see the docstring
 GPU_SIZE, GPU_ROUNDS = 2048, 8  # 0.14 TFLOP: ~3 ms on an H100 in fp32 (not measured: no device lent); 3 x 16 MiB
 
