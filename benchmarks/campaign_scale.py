@@ -121,22 +121,27 @@ def main() -> None:
         raise SystemExit(f"no partition {args.partition!r}: bring the test cluster up with --nodes 8")
     rows = [measure(int(n), args.partition, nodes) for n in args.sizes.split(",")]
     print(
-        "| points | sbatch calls (arrays) | `hpcrun sweep` | RPCs ctld/dbd | cold `status` | RPCs ctld/dbd | warm `status` | RPCs | `cancel` | RPCs ctld/dbd |"
+        "| points | sbatch calls (arrays) | `hpcrun sweep` | RPCs ctld/dbd | cold `status` | RPCs ctld/dbd "
+        "| warm `status` | RPCs | `cancel` | RPCs ctld/dbd |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['points']:,} | {r['arrays']} | {r['sweep_s']:.1f} s | {r['sweep_rpc'][0]}/{r['sweep_rpc'][1]} | {r['cold_s']:.2f} s | "
-            f"{r['cold_rpc'][0]}/{r['cold_rpc'][1]} | {r['warm_s']:.2f} s | {r['warm_rpc'][0]}/{r['warm_rpc'][1]} | {r['cancel_s']:.2f} s | "
-            f"{r['cancel_rpc'][0]}/{r['cancel_rpc'][1]} |"
+            f"| {r['points']:,} | {r['arrays']} | {r['sweep_s']:.1f} s | {r['sweep_rpc'][0]}/{r['sweep_rpc'][1]} "
+            f"| {r['cold_s']:.2f} s | {r['cold_rpc'][0]}/{r['cold_rpc'][1]} "
+            f"| {r['warm_s']:.2f} s | {r['warm_rpc'][0]}/{r['warm_rpc'][1]} "
+            f"| {r['cancel_s']:.2f} s | {r['cancel_rpc'][0]}/{r['cancel_rpc'][1]} |"
         )
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         per = 1000 / (last["points"] - first["points"])
         print(
-            f"slope per 1,000 points: sweep {per * (last['sweep_s'] - first['sweep_s']):.2f} s, cold status {per * (last['cold_s'] - first['cold_s']):.2f} s, "
-            f"warm status {per * (last['warm_s'] - first['warm_s']):.2f} s, cancel {per * (last['cancel_s'] - first['cancel_s']):.2f} s; "
-            f"RPCs per status poll: {last['cold_rpc'][1]} (slurmdbd) at {last['points']:,} points vs {first['cold_rpc'][1]} at {first['points']:,}"
+            f"slope per 1,000 points: sweep {per * (last['sweep_s'] - first['sweep_s']):.2f} s, "
+            f"cold status {per * (last['cold_s'] - first['cold_s']):.2f} s, "
+            f"warm status {per * (last['warm_s'] - first['warm_s']):.2f} s, "
+            f"cancel {per * (last['cancel_s'] - first['cancel_s']):.2f} s; "
+            f"RPCs per status poll: {last['cold_rpc'][1]} (slurmdbd) at {last['points']:,} points "
+            f"vs {first['cold_rpc'][1]} at {first['points']:,}"
         )
 
 

@@ -124,7 +124,9 @@ def main() -> None:
             }
         )
         print(
-            f"round {n}{' (warm-up)' if n <= args.warmup_rounds else ''}: disk {disk / 2**20:.0f} MiB/s, synchronous {nbytes / sync_stall / disk:.2f} of it, asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
+            f"round {n}{' (warm-up)' if n <= args.warmup_rounds else ''}: disk {disk / 2**20:.0f} MiB/s, "
+            f"synchronous {nbytes / sync_stall / disk:.2f} of it, "
+            f"asynchronous writer {rows[-1]['writer'] / disk:.2f} of it; "
             f"asynchronous stall {stall:.2f} s, with slowed steps {rows[-1]['cost']:.2f} s ({k} steps in flight)",
             flush=True,
         )
@@ -133,25 +135,31 @@ def main() -> None:
     share = lambda s: s / (s + interval * step) * 100  # noqa: E731
     mib = 2**20
     print(
-        f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, writer threads {ckpt.WRITER_THREADS}, CRC32 {'off' if args.no_crc else 'on'}, medians of {len(rows)} rounds:"
+        f"model {args.model}: checkpoint {nbytes / mib:.0f} MiB, step {step * 1000:.0f} ms, "
+        f"writer threads {ckpt.WRITER_THREADS}, CRC32 {'off' if args.no_crc else 'on'}, medians of {len(rows)} rounds:"
     )
     print(f"disk sequential write (fsync, same size, new file): {med('disk') / mib:.0f} MiB/s")
     sync_stall = med("sync_stall")
     print(
-        f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, {share(sync_stall):.2f}% of wall time at interval {interval}, "
+        f"synchronous save: stall {sync_stall:.2f} s = {sync_stall / step:.2f} step times, "
+        f"{share(sync_stall):.2f}% of wall time at interval {interval}, "
         f"bandwidth {statistics.median(nbytes / r['sync_stall'] / r['disk'] for r in rows):.2f} of disk"
     )
     print(
-        f"asynchronous save: stall {med('stall'):.2f} s = {med('stall') / step:.2f} step times (target <= 1), {share(med('stall')):.2f}% of wall time (target < 1%)"
+        f"asynchronous save: stall {med('stall'):.2f} s = {med('stall') / step:.2f} step times (target <= 1), "
+        f"{share(med('stall')):.2f}% of wall time (target < 1%)"
     )
     print(
-        f"asynchronous save: stall + steps slowed while writing ({med('in_flight')} steps) {med('cost'):.2f} s = {med('cost') / step:.2f} step times, {share(med('cost')):.2f}% of wall time"
+        f"asynchronous save: stall + steps slowed while writing ({med('in_flight')} steps) {med('cost'):.2f} s "
+        f"= {med('cost') / step:.2f} step times, {share(med('cost')):.2f}% of wall time"
     )
     print(
-        f"asynchronous save, background write after the copy (idle): {med('writer') / mib:.0f} MiB/s = {statistics.median(r['writer'] / r['disk'] for r in rows):.2f} of disk (target >= 0.7)"
+        f"asynchronous save, background write after the copy (idle): {med('writer') / mib:.0f} MiB/s "
+        f"= {statistics.median(r['writer'] / r['disk'] for r in rows):.2f} of disk (target >= 0.7)"
     )
     print(
-        f"asynchronous save, copy and write together (idle): {med('end_to_end') / mib:.0f} MiB/s = {statistics.median(r['end_to_end'] / r['disk'] for r in rows):.2f} of disk"
+        f"asynchronous save, copy and write together (idle): {med('end_to_end') / mib:.0f} MiB/s "
+        f"= {statistics.median(r['end_to_end'] / r['disk'] for r in rows):.2f} of disk"
     )
     dist.destroy_process_group()
 

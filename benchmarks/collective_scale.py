@@ -80,14 +80,16 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['world']} | {r['rendezvous_s']:.2f} s | {r['reduce_p50_us']:.0f} µs | {r['reduce_p90_us']:.0f} µs | {r['files']} |"
+            f"| {r['world']} | {r['rendezvous_s']:.2f} s | {r['reduce_p50_us']:.0f} µs "
+            f"| {r['reduce_p90_us']:.0f} µs | {r['files']} |"
         )
     first, last = rows[0], rows[-1]
     span = last["world"] - first["world"]
     if span:
         print(
             f"slope per added rank: rendezvous {(last['rendezvous_s'] - first['rendezvous_s']) / span * 1e3:.1f} ms, "
-            f"all-reduce p50 {(last['reduce_p50_us'] - first['reduce_p50_us']) / span:.1f} µs, files {(last['files'] - first['files']) / span:.1f}"
+            f"all-reduce p50 {(last['reduce_p50_us'] - first['reduce_p50_us']) / span:.1f} µs, "
+            f"files {(last['files'] - first['files']) / span:.1f}"
         )
 
 

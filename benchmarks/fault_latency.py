@@ -112,7 +112,8 @@ def main() -> None:
     tmp = scratch("fault-latency-", "/var/tmp")
     scratch_site(tmp, "testcluster", name="latency")
     print(
-        f"SLURM: requeue hold (AuthInfo cred_expire) {config('cred_expire=', '120')} s, SlurmdTimeout {config('SlurmdTimeout', '300')}, "
+        f"SLURM: requeue hold (AuthInfo cred_expire) {config('cred_expire=', '120')} s, "
+        f"SlurmdTimeout {config('SlurmdTimeout', '300')}, "
         f"KillWait {config('KillWait', '30')}; hang timeout {HANG_TIMEOUT_S} s"
     )
     print("| fault | run | fault -> no rank left | fault -> first resumed step completed |")

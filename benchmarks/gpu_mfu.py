@@ -132,7 +132,8 @@ def main() -> None:
             continue
         row = rows.iloc[-1]
         print(
-            f"{name:14} {row['tokens_per_s_per_gpu']:13.0f} {row['tflops_per_gpu']:11.1f} {row['mfu'] * 100:6.1f}% {row['peak_memory_bytes'] / 2**30:9.1f}  [{fits}]",
+            f"{name:14} {row['tokens_per_s_per_gpu']:13.0f} {row['tflops_per_gpu']:11.1f} {row['mfu'] * 100:6.1f}% "
+            f"{row['peak_memory_bytes'] / 2**30:9.1f}  [{fits}]",
             flush=True,
         )
         if best is None or row["mfu"] > best[1]:

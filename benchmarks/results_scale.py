@@ -50,7 +50,8 @@ def main() -> None:
         spent += time.perf_counter() - t
         pq.write_table(table([row]), unmerged / f"run{i}.parquet")
     print(
-        f"write_attempt x {args.files}: {spent:.1f} s ({1e3 * spent / args.files:.1f} ms each, merges included); {len(files(written))} files left"
+        f"write_attempt x {args.files}: {spent:.1f} s ({1e3 * spent / args.files:.1f} ms each, merges included); "
+        f"{len(files(written))} files left"
     )
 
     def load_and_pivot(directory: Path) -> float:
@@ -72,11 +73,13 @@ def main() -> None:
 
     base, subject = load_and_pivot(unmerged), load_and_pivot(written)
     print(
-        f"load + pivot: {args.files} one-row files {base:.2f} s; as written by jobs {subject:.3f} s ({base / subject:.0f}x faster)"
+        f"load + pivot: {args.files} one-row files {base:.2f} s; "
+        f"as written by jobs {subject:.3f} s ({base / subject:.0f}x faster)"
     )
     base, subject = cli(unmerged), cli(written)
     print(
-        f"hpcrun results --compare: {args.files} one-row files {base:.2f} s; as written by jobs {subject:.2f} s (target < 2 s)"
+        f"hpcrun results --compare: {args.files} one-row files {base:.2f} s; "
+        f"as written by jobs {subject:.2f} s (target < 2 s)"
     )
 
 

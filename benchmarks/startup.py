@@ -49,7 +49,11 @@ def main() -> None:
     for name, cmd in cases.items():
         t = timed(cmd, args.repeat)
         print(f"{name}: {t * 1000:.0f} ms, {t / base:.1f}x python -c pass, +{(t - base) * 1000:.0f} ms")
-    probe = "import sys; from hpcrun.cli import main\ntry: main(['render','--site','mycluster','jobs/quickstart.yaml'], standalone_mode=False)\nfinally: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)"
+    probe = (
+        "import sys; from hpcrun.cli import main\n"
+        "try: main(['render','--site','mycluster','jobs/quickstart.yaml'], standalone_mode=False)\n"
+        "finally: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)"
+    )
     out = subprocess.run([py, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     print(out.stderr.strip().splitlines()[-1])
 

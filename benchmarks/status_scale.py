@@ -135,15 +135,18 @@ def main() -> None:
     print(f"hpcrun status of {args.runs} running runs (one sacct call each time), median of {args.rounds} rounds:")
     for name, (cli, inproc) in results.items():
         print(
-            f"  {name:30} end to end {statistics.median(cli):.2f} s   in-process statuses() {statistics.median(inproc):.3f} s"
+            f"  {name:30} end to end {statistics.median(cli):.2f} s   "
+            f"in-process statuses() {statistics.median(inproc):.3f} s"
         )
     (cli, inproc), (base_cli, base_inproc) = results.values()
     end_to_end = statistics.median(cli)
     print(
-        f"ratio to baseline: end to end {end_to_end / statistics.median(base_cli):.2f}, in-process {statistics.median(inproc) / statistics.median(base_inproc):.2f}"
+        f"ratio to baseline: end to end {end_to_end / statistics.median(base_cli):.2f}, "
+        f"in-process {statistics.median(inproc) / statistics.median(base_inproc):.2f}"
     )
     print(
-        f"target < {TARGET_S:.0f} s end to end: {'met' if end_to_end < TARGET_S else 'NOT met'} ({end_to_end / TARGET_S:.2f} of the budget)"
+        f"target < {TARGET_S:.0f} s end to end: {'met' if end_to_end < TARGET_S else 'NOT met'} "
+        f"({end_to_end / TARGET_S:.2f} of the budget)"
     )
 
 

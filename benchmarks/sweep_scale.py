@@ -76,7 +76,8 @@ def main() -> None:
     submit_time = time.perf_counter() - start
     sbatch_calls = log.read_text().count("sbatch")
     print(
-        f"hpcrun sweep: {len(out.submitted)} points in {sbatch_calls} sbatch calls ({len(out.arrays)} arrays), {submit_time:.1f} s"
+        f"hpcrun sweep: {len(out.submitted)} points in {sbatch_calls} sbatch calls ({len(out.arrays)} arrays), "
+        f"{submit_time:.1f} s"
     )
 
     from hpcrun.status import statuses

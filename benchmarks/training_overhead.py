@@ -257,7 +257,8 @@ def main() -> None:
             else ""
         )
         print(
-            f"round {n}: bare {bare_tps[-1]:.0f} tokens/s, hpcrun {hpc_tps[-1]:.0f} (ratio {hpc_tps[-1] / bare_tps[-1]:.3f}){unprobed}, "
+            f"round {n}: bare {bare_tps[-1]:.0f} tokens/s, hpcrun {hpc_tps[-1]:.0f} "
+            f"(ratio {hpc_tps[-1] / bare_tps[-1]:.3f}){unprobed}, "
             f"hpcrun's per-step work {100 * shares[-1]['all of it']:.2f}% of step time",
             flush=True,
         )

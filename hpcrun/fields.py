@@ -24,7 +24,8 @@ _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?
 def _token(value: str) -> str:
     if not _TOKEN.match(value):
         raise ValueError(
-            f"must be one sbatch token: letters, digits and _.:@%+/=,&|![]*- only, no spaces, quotes or newlines (got {value!r})"
+            "must be one sbatch token: letters, digits and _.:@%+/=,&|![]*- only, "
+            f"no spaces, quotes or newlines (got {value!r})"
         )
     return value
 

@@ -112,7 +112,8 @@ class Controller:
             failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if failed and kill_at is None:  # --kill-on-bad-exit
                 print(
-                    f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; ending the others",
+                    f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; "
+                    "ending the others",
                     flush=True,
                 )
                 self._send(signal.SIGKILL)

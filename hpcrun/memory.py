@@ -105,7 +105,8 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
             problems.append(f"needs {gpu / GB:.1f} GB per GPU, has {gpu_cap / GB:.0f}")
         elif not part.gpu and gpu * per_node + cpu > host_cap:  # CPU ranks, offload and staging share one memory
             problems.append(
-                f"needs {(gpu * per_node + cpu) / GB:.0f} GB memory per node ({per_node} ranks x {gpu / GB:.1f} + {cpu / GB:.0f}), has {host_cap / GB:.0f}{why}"
+                f"needs {(gpu * per_node + cpu) / GB:.0f} GB memory per node "
+                f"({per_node} ranks x {gpu / GB:.1f} + {cpu / GB:.0f}), has {host_cap / GB:.0f}{why}"
             )
         if part.gpu and cpu > host_cap:
             problems.append(f"needs {cpu / GB:.0f} GB host memory per node, has {host_cap / GB:.0f}{why}")

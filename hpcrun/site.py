@@ -176,7 +176,8 @@ class Site(Frozen):
             )
         if self.scheduler == "slurm" and not TOKEN_RE.match(self.storage.runs_dir):
             raise ValueError(
-                f"storage.runs_dir: on a SLURM site it appears in #SBATCH --output, so it may not hold spaces or quotes (got {self.storage.runs_dir!r})"
+                "storage.runs_dir: on a SLURM site it appears in #SBATCH --output, "
+                f"so it may not hold spaces or quotes (got {self.storage.runs_dir!r})"
             )
         if self.environment.container and not self.environment.python:
             raise ValueError(

@@ -179,7 +179,8 @@ def watched_resubmitted_cancelled(site: Path, recipe: Path, base: Path, sweep_di
     # failing at 9 RPCs against 15. Ten watchers each asking for themselves would make ~10 times this.
     most = int(window / pollcache.POLL_S) + 1
     print(
-        f"RPCs (slurmctld, slurmdbd): one poll {poll}; 10 watchers over {window:.0f} s {ten}, at most {most} polls' worth"
+        f"RPCs (slurmctld, slurmdbd): one poll {poll}; 10 watchers over {window:.0f} s {ten}, "
+        f"at most {most} polls' worth"
     )
     assert ten[0] <= poll[0] * most and ten[1] <= poll[1] * most, (poll, ten)
 

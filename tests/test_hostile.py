@@ -44,7 +44,8 @@ SRUN_STUB = (
 printf '%s\\0' "$@" >"$call"
 case " $* " in
   *" -m hpcrun.runtime.failure "*) cat >"$call.stdin" ;;
-  *" -m hpcrun.launch "*) if [ {status} -ne 0 ]; then echo "srun: error: node1: task 0: Exited with exit code {status}" >&2; exit {status}; fi ;;
+  *" -m hpcrun.launch "*) if [ {status} -ne 0 ]; then \
+echo "srun: error: node1: task 0: Exited with exit code {status}" >&2; exit {status}; fi ;;
 esac
 """
 )

@@ -61,7 +61,9 @@ def test_activation_checkpointing_shrinks_activations() -> None:
 def test_plan_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
     recipe = tmp_path / "big.yaml"
     recipe.write_text(
-        "name: big\njob: {kind: benchmark, model: 13b}\nprecision: bf16-mixed\nresources: {nodes: 1, gpus_per_node: 8, time: '01:00:00'}\ntraining: {micro_batch: 1, seq_len: 2048, activation_checkpointing: true}\n"
+        "name: big\njob: {kind: benchmark, model: 13b}\nprecision: bf16-mixed\n"
+        "resources: {nodes: 1, gpus_per_node: 8, time: '01:00:00'}\n"
+        "training: {micro_batch: 1, seq_len: 2048, activation_checkpointing: true}\n"
     )
     out = cli("plan", "--site", "mycluster", str(recipe))
     assert out.exit_code == 0, out.output

@@ -17,7 +17,8 @@ from tests.test_backend_fake import fake_tools
 # partition p1 has QOS `part` (4 per user), p2 none
 SCONTROL = """case "$*" in
   "show config") echo "MaxArraySize            = 501"; echo "ClusterName             = c1";;
-  "-a show partition -o") echo "PartitionName=p1 Nodes=n[1-2] QoS=Part State=UP"; echo "PartitionName=p2 Nodes=n3 QoS=N/A State=UP";;
+  "-a show partition -o") echo "PartitionName=p1 Nodes=n[1-2] QoS=Part State=UP"; \
+echo "PartitionName=p2 Nodes=n3 QoS=N/A State=UP";;
   *) exit 1;;
 esac"""
 # the user holds four jobs: in p1 (QOS normal), in p2 (QOS capped), pending for either (QOS
@@ -118,7 +119,10 @@ def test_no_accounting_storage_no_cap(bindir: Path) -> None:
     fake_tools(
         bindir,
         scontrol=SCONTROL,
-        sacctmgr='echo "sacctmgr: error: Problem talking to the database: accounting_storage plugin not set" >&2; exit 1',
+        sacctmgr=(
+            'echo "sacctmgr: error: Problem talking to the database: accounting_storage plugin not set" '
+            ">&2; exit 1"
+        ),
     )
     assert quota.limits(None, None, ["p1"]) == (501, None)
 

@@ -172,7 +172,8 @@ def chromium() -> str:
 # Added to a copy of the page only (the report itself has no script): after the load event,
 # what the browser made of every image, written where --dump-dom shows it.
 PROBE = """<script>window.addEventListener("load", () => { document.body.setAttribute("data-images",
-JSON.stringify([...document.images].map(i => [i.dataset.figure, i.complete, i.naturalWidth, i.naturalHeight]))); });</script>"""
+JSON.stringify([...document.images].map(i => [i.dataset.figure, i.complete, \
+i.naturalWidth, i.naturalHeight]))); });</script>"""
 
 
 def open_in_browser(page: Path, tmp: Path) -> tuple[list[list[object]], list[str]]:
@@ -207,7 +208,8 @@ def test_the_probe_sees_console_errors_and_broken_images(tmp_path: Path) -> None
     bad = tmp_path / "bad" / "index.html"
     bad.parent.mkdir()
     bad.write_text(
-        '<!doctype html><html><body><img data-figure="x" src="data:image/png;base64,AAAA"><script>undefined_function()</script></body></html>'
+        '<!doctype html><html><body><img data-figure="x" src="data:image/png;base64,AAAA">'
+        "<script>undefined_function()</script></body></html>"
     )
     images, console = open_in_browser(bad, tmp_path)
     assert images == [["x", True, 0, 0]] and any("undefined_function is not defined" in line for line in console)

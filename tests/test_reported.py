@@ -46,7 +46,8 @@ def test_poll_writes_batches_and_progress_and_waits_for_whole_lines(tmp_path: Pa
     assert not dataset.files(tmp_path / "results")
     with open(metrics, "w") as f:
         f.write(
-            '{"step": 11, "loss": 3.0, "time": 100.0, "total": 20}\n{"step": 12, "loss": 2.0, "time": 102.0}\nnonsense\n{"step": 13, "lo'
+            '{"step": 11, "loss": 3.0, "time": 100.0, "total": 20}\n'
+            '{"step": 12, "loss": 2.0, "time": 102.0}\nnonsense\n{"step": 13, "lo'
         )
     reader.poll()
     assert [line.step for line in reader.lines] == [11, 12]

@@ -158,7 +158,10 @@ def test_retry_failed_resubmits_only_failed_points(tmp_path: Path) -> None:
         sacctmgr="exit 0",
         squeue="exit 0",
         # the first array's task 1 failed, everything else completed
-        sacct='for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do s=COMPLETED; [ "$j" = 101_1 ] && s=FAILED; echo "$j|$s|node1|5|None"; done',
+        sacct=(
+            'for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do '
+            's=COMPLETED; [ "$j" = 101_1 ] && s=FAILED; echo "$j|$s|node1|5|None"; done'
+        ),
     )
     site = site_copy(tmp_path, "testcluster")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}

@@ -176,7 +176,8 @@ def test_nvme_offload_without_nvme(tmp_path: Path) -> None:
     result = cli("render", "--site", "slingshot", "jobs/zero-infinity.yaml")
     assert result.exit_code == 2
     assert result.output.strip() == (
-        "Error: jobs/zero-infinity.yaml: strategy.offload_param: nvme offload needs storage.nvme in site 'slingshot', which has none"
+        "Error: jobs/zero-infinity.yaml: strategy.offload_param: "
+        "nvme offload needs storage.nvme in site 'slingshot', which has none"
     )
 
 

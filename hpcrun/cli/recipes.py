@@ -74,7 +74,8 @@ def plan_command(site_name: str, recipe: Path) -> None:
     spec = plan(site, recipe_file.base, recipe, "plan")
     rows = estimate(spec)
     click.echo(
-        f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} ({spec.recipe.precision}):"
+        f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} "
+        f"({spec.recipe.precision}):"
     )
     table = [
         [

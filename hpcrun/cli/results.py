@@ -79,7 +79,10 @@ tolerance_option = click.option(
     "--compare",
     "compare_keys",
     default=None,
-    help="Pivot by these columns, e.g. strategy,nodes; with the table formats also whether the strategies' losses agree.",
+    help=(
+        "Pivot by these columns, e.g. strategy,nodes; "
+        "with the table formats also whether the strategies' losses agree."
+    ),
 )
 @click.option(
     "--format", "fmt", type=click.Choice(["table", "csv", "json", "markdown"]), default="table", show_default=True
@@ -203,7 +206,8 @@ def _agreement_lines(df: tp.Any, steps: tp.Any, tolerance: float) -> list[str]:
             word = "agree   " if row.agree else "DISAGREE"
             where = f"{row.worst_pair} at step {row.worst_step} over {row.common_steps} common steps"
             lines.append(
-                f"{word} {what}: largest loss difference {row.max_abs_diff:.3g} ({row.max_rel_diff:.2e} relative, tolerance {tolerance:g}), {where}"
+                f"{word} {what}: largest loss difference {row.max_abs_diff:.3g} "
+                f"({row.max_rel_diff:.2e} relative, tolerance {tolerance:g}), {where}"
             )
     return lines
 

@@ -18,7 +18,8 @@ if tp.TYPE_CHECKING:
     import pandas as pd
 
 STYLE = """
-body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em auto;max-width:1100px;color:#222;
+padding:0 1em}
 h1{margin-bottom:.2em}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
 .sub{color:#666;margin-top:0}table{border-collapse:collapse;margin:.6em 0;font-size:14px}
 th,td{padding:.3em .7em;border-bottom:1px solid #e4e4e4;text-align:right}th{background:#f5f5f5}
@@ -80,7 +81,10 @@ def _img(figure: Figure) -> str:
     names = ", ".join(figure.series)
     alt = html.escape(f"{figure.title}: {names}" if names else figure.title, quote=True)
     caption = f"<figcaption>{html.escape(figure.caption)}</figcaption>" if figure.caption else ""
-    return f'<figure><img src="data:image/png;base64,{data}" alt="{alt}" data-figure="{figure.name}" data-series="{series}">{caption}</figure>'
+    return (
+        f'<figure><img src="data:image/png;base64,{data}" alt="{alt}" '
+        f'data-figure="{figure.name}" data-series="{series}">{caption}</figure>'
+    )
 
 
 def _loss_figures(
@@ -109,14 +113,20 @@ def _loss_figures(
             match = match[match[k].isna()] if units.missing(v) else match[match[k] == v]
         if len(match):
             m = match.iloc[0]
-            verdict = f"largest difference between strategies: {units.plain(m['max_rel_diff'], '{:.2e}')} relative ({m['worst_pair']}, step {units.plain(m['worst_step'])})"
+            verdict = (
+                f"largest difference between strategies: {units.plain(m['max_rel_diff'], '{:.2e}')} relative "
+                f"({m['worst_pair']}, step {units.plain(m['worst_step'])})"
+            )
         made.append(figures.losses(curves, palette, f"loss-{i}", title, verdict))
     return made
 
 
 def _agreement_html(agree: pd.DataFrame) -> str:
     if agree.empty:
-        return "<p>No group of completed runs trained the same model (same model, seed, global batch and sequence length) with two or more strategies and logged per-step losses.</p>"
+        return (
+            "<p>No group of completed runs trained the same model (same model, seed, global batch and sequence length) "
+            "with two or more strategies and logged per-step losses.</p>"
+        )
     rows, classes = [], []
     for row in agree.itertuples():
         verdict = "no common steps" if units.missing(row.agree) else "agree" if row.agree else "DISAGREE"
@@ -138,7 +148,8 @@ def _agreement_html(agree: pd.DataFrame) -> str:
         )
     tol = float(agree["tolerance"].iloc[0])
     return (
-        f"<p>Same model, seed and global batch should give the same loss whatever the strategy. Largest difference over the steps all runs logged; "
+        "<p>Same model, seed and global batch should give the same loss whatever the strategy. "
+        "Largest difference over the steps all runs logged; "
         f"flagged above a relative tolerance of {tol:g}.</p>"
         + _table(
             [
@@ -223,14 +234,21 @@ def render(
         ]
         for r in table.itertuples()
     ]
-    when = f"{len(done)} completed runs of {len(summary)} attempts · made {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    when = (
+        f"{len(done)} completed runs of {len(summary)} attempts · "
+        f"made {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    )
     loss_html = "".join(_img(f) for f in loss) or "<p>No per-step losses were recorded for these runs.</p>"
+    header = [
+        "strategy", "nodes", "ranks", "runs", "tokens/s", "tokens/s per GPU", "MFU", "scaling eff.",
+        "step p50", "step p95", "peak memory", "final loss", "restarts",
+    ]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <link rel="icon" href="data:,"><style>{STYLE}</style></head>
 <body><h1>{html.escape(title)}</h1><p class="sub">{html.escape(when)}</p>
 <h2>Summary</h2>
-{_table(["strategy", "nodes", "ranks", "runs", "tokens/s", "tokens/s per GPU", "MFU", "scaling eff.", "step p50", "step p95", "peak memory", "final loss", "restarts"], rows)}
+{_table(header, rows)}
 <h2>Scaling and throughput</h2>
 {"".join(_img(f) for f in plots[:2])}
 <h2>Loss curves</h2>

@@ -49,7 +49,8 @@ def main() -> None:
     write_json(out, report)  # written before connecting: a wrong interface still reports
     if iface and report["address"] is None:
         raise SystemExit(
-            f"rank {rank} on {report['node']}: interface {iface!r} has no IPv4 address here (interfaces: {report['interfaces']})"
+            f"rank {rank} on {report['node']}: interface {iface!r} has no IPv4 address here "
+            f"(interfaces: {report['interfaces']})"
         )
 
     import torch
