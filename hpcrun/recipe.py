@@ -244,8 +244,14 @@ def _stage_data(base: dict[str, tp.Any], stage: dict[str, tp.Any]) -> dict[str, 
 
 def load_recipe(path: str | Path) -> RecipeFile:
     """Read and validate a recipe file: the base, every stage and the sweep's shape."""
-    path = Path(path)
-    raw = read_yaml(path)
+    return parse_recipe(read_yaml(Path(path)), Path(path))
+
+
+def parse_recipe(raw: dict[str, tp.Any], path: Path) -> RecipeFile:
+    """Validate a recipe's data as if read from `path`: errors name it, and the recipe's relative
+    paths (job.pythonpath) are relative to its directory."""
+    if not isinstance(raw, dict):
+        raise HpcrunError(f"must be a mapping of recipe fields (got {type(raw).__name__})", path)
     base_data = {k: v for k, v in raw.items() if k not in ("stages", "sweep")}
     base = validate(Recipe, base_data, path)
     stages: list[tuple[Stage, Recipe]] = []
