@@ -2,9 +2,8 @@
 `sbatch` or the local controller. The script submitted is the file `render` printed, byte for
 byte; the job's tasks start `python -m hpcrun.launch <run dir>`, which reads the RunSpec.
 
-submitit is used where it has a public interface: inside the job, `submitit.JobEnvironment`
-tells each task its ranks (runtime/env.py). Submission is hpcrun's own because submitit has no
-public hook for the text of the sbatch script (only private executor methods), and hpcrun's
+Inside the job each task's ranks come from srun's variables (runtime/env.py). Submission is
+hpcrun's own because submitit has no public hook for the text of the sbatch script (only private executor methods), and hpcrun's
 promise is that the rendered template is what runs.
 """
 

@@ -22,26 +22,29 @@ def test_without_the_flag_usr2_kills() -> None:
 
 
 def test_job_environment_leaves_the_flag_in_place() -> None:
-    """Inside a SLURM task the ranks come from submitit's JobEnvironment; reading it must not
-    install submitit's own handlers over the stop flag (which would requeue from inside a
-    handler on one rank)."""
+    """Inside a SLURM task the ranks come from srun's variables (no SUBMITIT_EXECUTOR set, no
+    submitit), and reading them leaves the stop flag's handlers in place (submitit's would requeue
+    from inside a handler on one rank). MASTER_ADDR, when the script did not set it, is the node
+    list's first host."""
     import os
 
     code = (
         "import signal, hpcrun.launch, hpcrun.signals\n"
         "from hpcrun.runtime.env import from_scheduler\n"
         "env = from_scheduler()\n"
-        "print(env.rank, env.world_size, env.job_id, env.allocation_id)\n"
+        "import os\n"
+        "print(env.rank, env.world_size, env.job_id, env.allocation_id, os.environ['MASTER_ADDR'])\n"
         "print(all(signal.getsignal(s).__self__ is hpcrun.signals.FLAG for s in (signal.SIGUSR2, signal.SIGTERM)))\n"
     )
     slurm = {
-        "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3",
         "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_JOB_NODELIST": "localhost", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08],cpu3", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "OMP_NUM_THREADS": "1",
     }
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **slurm})
+    environ = {k: v for k, v in os.environ.items() if k not in ("SUBMITIT_EXECUTOR", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**environ, **slurm})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["1 4 70_3 77", "True"], out.stdout + out.stderr
+    assert out.stdout.split("\n")[:2] == ["1 4 70_3 77 gpu07", "True"], out.stdout + out.stderr
 
 
 def test_launch_usage_is_one_line() -> None:

@@ -30,20 +30,29 @@ class DistEnv:
 
 
 def from_scheduler() -> DistEnv:
-    """This task's ranks. Under SLURM from submitit's JobEnvironment, with the job id spelled
-    as hpcrun.slurm spells it for every SLURM tool (`<array>_<index>` for array tasks); under hpcrun's local controller from the torchrun-style variables
-    it sets. MASTER_ADDR/PORT come from the rendered script (the site's fast hostname)."""
-    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
-        import submitit
-
-        job = submitit.JobEnvironment()
-        os.environ.update(RANK=str(job.global_rank), LOCAL_RANK=str(job.local_rank), WORLD_SIZE=str(job.num_tasks))
-        os.environ.setdefault("MASTER_ADDR", job.hostnames[0] if job.hostnames else "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        local_ranks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
-        return _env(job.global_rank, job.local_rank, job.num_tasks, slurm.job_id(os.environ), os.environ["SLURM_JOB_ID"], local_ranks)
-    local_id = os.environ.get("HPCRUN_LOCAL_JOB_ID", "local")
+    """This task's ranks. Under SLURM from the variables srun sets for every task (SLURM_PROCID,
+    SLURM_LOCALID, SLURM_NTASKS), with the job id spelled as hpcrun.slurm spells it for every SLURM
+    tool (`<array>_<index>` for array tasks); under hpcrun's local controller from the
+    torchrun-style variables it sets. MASTER_ADDR/PORT come from the rendered script (the site's
+    fast hostname)."""
+    environ = os.environ
+    if "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ:
+        rank, local_rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_LOCALID"]), int(environ["SLURM_NTASKS"])
+        environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
+        environ.setdefault("MASTER_ADDR", first_host(environ.get("SLURM_JOB_NODELIST", "")) or "127.0.0.1")
+        environ.setdefault("MASTER_PORT", "29500")
+        local_ranks = int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        return _env(rank, local_rank, world, slurm.job_id(environ), environ["SLURM_JOB_ID"], local_ranks)
+    local_id = environ.get("HPCRUN_LOCAL_JOB_ID", "local")
     return from_environ(job_id=local_id, allocation_id=local_id)
+
+
+def first_host(node_list: str) -> str:
+    """The first host of a SLURM node list (`gpu[07-12,20],cpu3` -> `gpu07`), as `scontrol show
+    hostnames` would list it first; "" for an empty list."""
+    head = node_list.split(",", 1)[0] if "[" not in node_list.split(",", 1)[0] else node_list.split("]", 1)[0]
+    prefix, _, ranges = head.partition("[")
+    return prefix + ranges.split(",", 1)[0].split("-", 1)[0]
 
 
 def from_environ(job_id: str | None = None, allocation_id: str | None = None) -> DistEnv:

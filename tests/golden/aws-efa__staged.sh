@@ -35,9 +35,7 @@ run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 srun_stderr=$(mktemp)
 trap 'rm -f "$srun_stderr"' EXIT
 
-# One task per rank, each running hpcrun's entry point on the run directory. submitit's
-# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
-export SUBMITIT_EXECUTOR=slurm
+# One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables).
 # A failed step is recorded once, here, after it: which task ended first (srun's messages,
 # shown as they come and kept aside), the one results row, and the requeue decision
 # (hpcrun.runtime.failure). A pipeline, not `2> >(tee ...)`: bash waits for tee to finish.

@@ -37,9 +37,7 @@ nvme_job_dir=/var/tmp/hpcrun-testcluster/nvme/hpcrun-"$SLURM_JOB_ID"
 srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$nvme_job_dir"
 trap 'rm -f "$srun_stderr"; srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$nvme_job_dir"' EXIT
 
-# One task per rank, each running hpcrun's entry point on the run directory. submitit's
-# JobEnvironment, which tells each task its ranks, recognises SLURM by this variable.
-export SUBMITIT_EXECUTOR=slurm
+# One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables).
 # A failed step is recorded once, here, after it: which task ended first (srun's messages,
 # shown as they come and kept aside), the one results row, and the requeue decision
 # (hpcrun.runtime.failure). A pipeline, not `2> >(tee ...)`: bash waits for tee to finish.
