@@ -9,6 +9,7 @@ whose jobs or state file cannot be read, stops the sweep with one line and submi
 from __future__ import annotations
 
 import dataclasses
+import time
 import typing as tp
 from pathlib import Path
 
@@ -88,6 +89,8 @@ class Outcome:
     cap: str | None = None  # the job cap SLURM applies (hpcrun.quota), when one does
     already: int = 0
     scripts: list[str] = dataclasses.field(default_factory=list)
+    found: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (point, job): a lost answer SLURM had
+    waiting: list[str] = dataclasses.field(default_factory=list)  # a lost answer too recent to send again
 
 
 def check_run_dirs(all_points: list[Point]) -> None:
@@ -98,6 +101,26 @@ def check_run_dirs(all_points: list[Point]) -> None:
             run_dir = RunDir(p.spec.run_dir)
             run_dir.jobs()
             run_dir.state()
+
+
+def reconcile(ledger: Ledger, all_points: list[Point], outcome: Outcome) -> backend.Settled:
+    """Points sent earlier whose answer was not recorded (sbatch's answer lost, or hpcrun stopped
+    between sbatch and the ledger): the job SLURM holds under the submission's tag, or the one
+    their run directory recorded, goes into the ledger. Points SLURM has no job for stay in the
+    state "submitting"; `settled.waiting` are too recent to send again."""
+    specs = {p.point_id: p.spec for p in all_points if p.spec}
+    settled = backend.settle([RunDir(spec.run_dir) for spec in specs.values()])
+    for pid, spec in specs.items():
+        entry = ledger.points.get(pid, {})
+        job = settled.found.get(Path(spec.run_dir))
+        latest = RunDir(spec.run_dir).latest_job()
+        if job is None and entry.get("state") == "submitting" and latest and latest.get("tag") == entry.get("tag"):
+            job = str(latest["job_id"])  # recorded in the run directory; hpcrun stopped before the ledger
+        if job is not None:
+            if entry.get("state") == "submitting":
+                outcome.found.append((str(entry.get("label", pid)), job))
+            ledger.record(pid, job_id=job, state="submitted")
+    return settled
 
 
 def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_failed: bool = False) -> Outcome:
@@ -114,11 +137,16 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
             dirs = {p.point_id: Path(p.spec.run_dir) for p in all_points if p.spec and ledger.points.get(p.point_id, {}).get("job_id")}
             failed = {s.run_id for s in statuses(list(dirs.values())) if s.state in FAILED}
             retry = {pid for pid, d in dirs.items() if d.name in failed}
+        settled = reconcile(ledger, all_points, outcome)
         todo = []
         for p in all_points:
             if p.skipped:
                 outcome.skipped.append((p.label, p.skipped))
                 ledger.record(p.point_id, label=p.label, state="skipped", reason=p.skipped)
+            elif p.spec and Path(p.spec.run_dir) in settled.waiting:
+                outcome.waiting.append(p.label)
+            elif ledger.points.get(p.point_id, {}).get("state") == "submitting":
+                todo.append(p)  # sent before, and SLURM has no job for it: send again
             elif ledger.points.get(p.point_id, {}).get("job_id") and p.point_id not in retry:
                 outcome.already += 1
             else:
@@ -148,10 +176,17 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
             for chunk in chunks:
                 spec_text = f"0-{len(chunk) - 1}" + (f"%{limit}" if limit else "")
                 outcome.arrays.append((spec_text, [by_run[s.run_id].label for s in chunk]))
+                tag = backend.array_tag(chunk)
                 if dry_run:
-                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs"))
+                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs", tag))
                     continue
-                jobs = backend.submit_array(chunk, root / "logs", limit)
+                now = time.time()
+                for spec in chunk:  # the intent, saved before sbatch is called (hpcrun.backend.settle)
+                    point = by_run[spec.run_id]
+                    intent = {"state": "submitting", "tag": tag, "at": now}
+                    ledger.record(point.point_id, label=point.label, run_id=spec.run_id, **intent)
+                ledger.save()
+                jobs = backend.submit_array(chunk, root / "logs", limit, tag)
                 for spec, job in zip(chunk, jobs):
                     point = by_run[spec.run_id]
                     outcome.submitted.append((point.label, job))

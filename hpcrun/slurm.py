@@ -5,9 +5,11 @@ hook for the script text)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import getpass
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import typing as tp
@@ -74,17 +76,97 @@ def require(tool: str, why: str) -> None:
         raise SubmissionError(f"{tool} is not on PATH: {why}")
 
 
+TAG_PREFIX = "hpcrun:"
+# sbatch's messages when the controller may have taken the job although sbatch saw no answer
+UNSURE = ("timed out", "time out", "unable to contact", "zero bytes were transmitted", "connection refused")
+
+
+class LostAnswer(SubmissionError):
+    """sbatch gave no usable answer (it timed out, died, or printed no job id and no refusal):
+    SLURM may hold the job, so the caller must look it up by its tag before submitting again."""
+
+
+def comment(tag: str) -> str:
+    """The `--comment` a submission tagged `tag` carries (SLURM keeps it with the job), in
+    characters that need no quoting on an #SBATCH line."""
+    return TAG_PREFIX + re.sub(r"[^A-Za-z0-9._:-]", "_", tag)
+
+
 def sbatch(script: Path, dependency: str | None = None) -> str:
     """Submit `script` as it is (its #SBATCH lines carry every option); returns the job id. A
-    refusal raises SubmissionError with sbatch's own message."""
+    refusal raises SubmissionError with sbatch's own message; an answer that may hide an accepted
+    job raises LostAnswer."""
     deps = [f"--dependency={dependency}"] if dependency else []
-    out = run(["sbatch", "--parsable", *deps, str(script)])
+    try:
+        out = run(["sbatch", "--parsable", *deps, str(script)])
+    except HpcrunError as exc:
+        if isinstance(exc.__cause__, subprocess.TimeoutExpired):
+            raise LostAnswer(exc.message) from exc
+        raise
     if out.returncode != 0:
         lines = (out.stderr.strip() or out.stdout.strip()).splitlines()
-        refusal = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else f"exit status {out.returncode}")
-        raise SubmissionError(f"submission refused: {refusal.strip()}")
+        refusal = next((line.strip() for line in lines if "error" in line.lower()), None)
+        if refusal is None or any(word in refusal.lower() for word in UNSURE):
+            raise LostAnswer(f"sbatch exited {out.returncode} with no clear refusal ({refusal or 'no message'})")
+        raise SubmissionError(f"submission refused: {refusal}")
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     job_id = last.split(";")[0]  # --parsable: "id" or "id;cluster"
     if not job_id.isdigit():
-        raise SubmissionError(f"sbatch answered {out.stdout.strip()!r}, not a job id")
+        raise LostAnswer(f"sbatch answered {out.stdout.strip()!r}, not a job id")
     return job_id
+
+
+def tagged_jobs(scripts: tp.Mapping[str, str], since: float) -> dict[str, list[str]]:
+    """The jobs (array ids for arrays) SLURM holds that were submitted at or after `since` under
+    each tag of `scripts` (tag -> the script path given to sbatch), oldest first. squeue knows the
+    comment while the job is queued, running or recently ended; after that sacct does where
+    accounting stores comments (AccountingStoreFlags=job_comment), else by the script path in
+    the job's SubmitLine."""
+    wanted = {comment(tag): tag for tag in scripts}
+    found: dict[str, list[str]] = {}
+    for job, submitted, text in _squeue_comments():
+        if text in wanted and submitted >= since:
+            found.setdefault(wanted[text], []).append(job)
+    missing = {tag: script for tag, script in scripts.items() if tag not in found}
+    if missing:
+        for job, submitted, text, line in _sacct_submissions(since):
+            # no comment in accounting (not stored by default): the script path sbatch was given
+            tag = wanted.get(text) or next((t for t, s in missing.items() if not text and line.endswith(f" {s}")), None)
+            if tag in missing and submitted >= since:
+                found.setdefault(tag, []).append(job)
+    return {tag: sorted(set(jobs), key=lambda job: int(job) if job.isdigit() else 0) for tag, jobs in found.items()}
+
+
+def _when(text: str) -> float:
+    """A time as SLURM's tools print it (local time), as seconds since the epoch; 0 when unknown."""
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _squeue_comments() -> list[tuple[str, float, str]]:
+    """(job or array id, submit time, comment) of every job of this user slurmctld still holds."""
+    out = run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%V|%k"])
+    if out.returncode != 0:
+        raise HpcrunError(f"squeue failed, so a lost submission cannot be looked up: {_said(out)}")
+    rows = [row for row in (line.split("|", 2) for line in out.stdout.splitlines()) if len(row) == 3]
+    return [(job, _when(submitted), text) for job, submitted, text in rows]
+
+
+def _sacct_submissions(since: float) -> list[tuple[str, float, str, str]]:
+    """(job or array id, submit time, comment, submit line) of this user's jobs since `since`
+    from accounting; [] where accounting is disabled."""
+    start = dt.datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
+    fields = "JobID,Submit,Comment,SubmitLine"
+    out = run(["sacct", "-X", "-n", "-P", "-u", user(), "-S", start, "-E", "now", "-o", fields])
+    if out.returncode != 0:
+        if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
+            return []
+        raise HpcrunError(f"sacct failed, so a lost submission cannot be looked up: {_said(out)}")
+    rows = [row for row in (line.split("|", 3) for line in out.stdout.splitlines()) if len(row) == 4]
+    return [(job.split("_")[0], _when(submitted), text, line) for job, submitted, text, line in rows]
+
+
+def _said(out: subprocess.CompletedProcess[str]) -> str:
+    return out.stderr.strip() or out.stdout.strip()
