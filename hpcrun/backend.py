@@ -24,7 +24,7 @@ from hpcrun.errors import HpcrunError, SubmissionError
 from hpcrun.plan import RunSpec
 from hpcrun.render import render, render_array
 from hpcrun.rundir import CorruptStateError, RunDir, atomic_write
-from hpcrun.status import controller_alive, statuses
+from hpcrun.status import TERMINAL, controller_alive, squeue
 
 # An sbatch whose hpcrun died may still be waiting on slurmctld: its job could appear this long
 # after the intent was written, so a lost submission is sent again only once the intent is older.
@@ -104,13 +104,14 @@ def require_ended(run_dir: RunDir) -> None:
     job = run_dir.latest_job()
     if job is None:
         return
+    job_id = str(job["job_id"])
     if job["scheduler"] == "local":
-        state = "RUNNING" if controller_alive(str(job["job_id"]), run_dir.path) else None
-    else:
-        (current,) = statuses([run_dir.path], max_age=0)
-        state = None if current.done else current.state
+        state = "RUNNING" if controller_alive(job_id, run_dir.path) else None
+    else:  # slurmctld holds every job until it has ended (accounting may not list a pending array task)
+        row = squeue([job_id], max_age=0).get(job_id)
+        state = row.state if row is not None and row.state not in TERMINAL else None
     if state is not None:
-        why = f"job {job['job_id']} of this run is still {state}: wait for it to end, or cancel it (hpcrun cancel)"
+        why = f"job {job_id} of this run is still {state}: wait for it to end, or cancel it (hpcrun cancel)"
         raise HpcrunError(why, run_dir.path)
 
 
