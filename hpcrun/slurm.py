@@ -117,24 +117,27 @@ def sbatch(script: Path, dependency: str | None = None) -> str:
 
 
 def tagged_jobs(scripts: tp.Mapping[str, str], since: float) -> dict[str, list[str]]:
-    """The jobs (array ids for arrays) SLURM holds that were submitted at or after `since` under
-    each tag of `scripts` (tag -> the script path given to sbatch), oldest first. squeue knows the
-    comment while the job is queued, running or recently ended; after that sacct does where
-    accounting stores comments (AccountingStoreFlags=job_comment), else by the script path in
-    the job's SubmitLine."""
-    wanted = {comment(tag): tag for tag in scripts}
+    """The jobs (array ids for arrays) submitted at or after `since` with each tag of `scripts`
+    (tag -> the script path given to sbatch) and that script, oldest first: the script tells two
+    runs' jobs apart where their tags meet (the same run id in two runs directories). squeue
+    knows a job while it is queued, running or recently ended; then sacct does, by its comment
+    where accounting stores comments (AccountingStoreFlags=job_comment) and by its SubmitLine."""
     found: dict[str, list[str]] = {}
-    for job, submitted, text in _squeue_comments():
-        if text in wanted and submitted >= since:
-            found.setdefault(wanted[text], []).append(job)
+    for job, submitted, text, command in _squeue_submissions():
+        for tag, script in scripts.items():
+            if text == comment(tag) and _same_path(command, script) and submitted >= since:
+                found.setdefault(tag, []).append(job)
     missing = {tag: script for tag, script in scripts.items() if tag not in found}
-    if missing:
-        for job, submitted, text, line in _sacct_submissions(since):
-            # no comment in accounting (not stored by default): the script path sbatch was given
-            tag = wanted.get(text) or next((t for t, s in missing.items() if not text and line.endswith(f" {s}")), None)
-            if tag in missing and submitted >= since:
+    for job, submitted, text, line in _sacct_submissions(since) if missing else []:
+        for tag, script in missing.items():
+            # an empty comment: accounting does not store comments (SLURM's default)
+            if text in ("", comment(tag)) and line.endswith(f" {script}") and submitted >= since:
                 found.setdefault(tag, []).append(job)
     return {tag: sorted(set(jobs), key=lambda job: int(job) if job.isdigit() else 0) for tag, jobs in found.items()}
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
 
 
 def _when(text: str) -> float:
@@ -145,13 +148,14 @@ def _when(text: str) -> float:
         return 0.0
 
 
-def _squeue_comments() -> list[tuple[str, float, str]]:
-    """(job or array id, submit time, comment) of every job of this user slurmctld still holds."""
-    out = run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%V|%k"])
+def _squeue_submissions() -> list[tuple[str, float, str, str]]:
+    """(job or array id, submit time, comment, script) of every job of this user slurmctld holds."""
+    out = run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%V|%k|%o"])
     if out.returncode != 0:
         raise HpcrunError(f"squeue failed, so a lost submission cannot be looked up: {_said(out)}")
-    rows = [row for row in (line.split("|", 2) for line in out.stdout.splitlines()) if len(row) == 3]
-    return [(job, _when(submitted), text) for job, submitted, text in rows]
+    # the comment cannot hold "|" (slurm.comment), the script path can: split from the left
+    rows = [row for row in (line.split("|", 3) for line in out.stdout.splitlines()) if len(row) == 4]
+    return [(job, _when(submitted), text, command) for job, submitted, text, command in rows]
 
 
 def _sacct_submissions(since: float) -> list[tuple[str, float, str, str]]:

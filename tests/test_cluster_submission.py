@@ -7,10 +7,12 @@ exits 1 (`none`)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
 import sys
+import time
 import typing as tp
 from pathlib import Path
 
@@ -45,8 +47,8 @@ def losing(tmp_path: Path) -> tp.Iterator[dict[str, str]]:
     submitted.touch()
     yield {"PATH": f"{bindir}:{os.environ['PATH']}", "SUBMITTED": str(submitted), "LOSE": "lost"}
     # by name in this pool's partition: also a second submission, were one made (it is not held)
-    scancel = ["scancel", "-u", user(), "-p", pool.partition("batch"), "-n", ",".join(NAMES)]
-    subprocess.run(scancel, check=True)
+    for name in NAMES:  # scancel takes one --name
+        subprocess.run(["scancel", "-u", user(), "-p", pool.partition("batch"), "-n", name], check=True)
 
 
 def hpcrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -59,10 +61,14 @@ def submitted(env: dict[str, str]) -> list[str]:
     return Path(env["SUBMITTED"]).read_text().split()
 
 
-def jobs_tagged(prefix: str) -> set[str]:
-    """The jobs (array ids) SLURM holds whose comment starts with `prefix`."""
-    out = subprocess.run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%k"], capture_output=True, text=True, check=True)
-    return {job for job, _, comment in (line.partition("|") for line in out.stdout.splitlines()) if comment.startswith(prefix)}
+def jobs_tagged(prefix: str, since: float) -> set[str]:
+    """The jobs (array ids) submitted since `since` whose comment starts with `prefix`: the
+    tags repeat between test runs, and slurmctld still shows an earlier run's cancelled jobs."""
+    out = subprocess.run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%V|%k"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = (line.split("|", 2) for line in out.stdout.splitlines())
+    when = dt.datetime.fromisoformat
+    return {job for job, at, text in rows if text.startswith(prefix) and when(at).timestamp() >= since}
 
 
 def recorded(run_dir: Path) -> list[str]:
@@ -70,6 +76,7 @@ def recorded(run_dir: Path) -> list[str]:
 
 
 def test_sweep_after_a_crash_between_sbatch_and_ledger_finds_the_array(tmp_path: Path, losing: dict[str, str]) -> None:
+    began = int(time.time())  # SLURM's submit times have whole seconds
     site = site_copy(tmp_path, "testcluster")
     grid = recipe(tmp_path, "lostgrid", training={"steps": 4}, sweep={"axes": {"training.lr": [0.001, 0.002]}})
     crashed = hpcrun("sweep", "--site", str(site), str(grid), env={**losing, "LOSE": "crash"})
@@ -77,7 +84,8 @@ def test_sweep_after_a_crash_between_sbatch_and_ledger_finds_the_array(tmp_path:
     (array,) = submitted(losing)
     sweep_dir = next((tmp_path / "runs" / "sweeps").iterdir())
     points = json.loads((sweep_dir / "ledger.json").read_text())["points"]
-    assert [p["state"] for p in points.values()] == ["submitting", "submitting"] and not any("job_id" in p for p in points.values())
+    assert [p["state"] for p in points.values()] == ["submitting", "submitting"]
+    assert not any("job_id" in p for p in points.values())
 
     again = hpcrun("sweep", "--site", str(site), str(grid))
     assert again.returncode == 0, again
@@ -87,7 +95,7 @@ def test_sweep_after_a_crash_between_sbatch_and_ledger_finds_the_array(tmp_path:
     run_dirs = [tmp_path / "runs" / p["run_id"] for p in points.values()]
     assert sorted(recorded(d)[-1] for d in run_dirs) == [f"{array}_0", f"{array}_1"]
     assert not any((d / "submitting.json").exists() for d in run_dirs)
-    assert jobs_tagged(f"hpcrun:{sweep_dir.name}.") == {array}  # one array, not two
+    assert jobs_tagged(f"hpcrun:{sweep_dir.name}.", began) == {array}  # one array, not two
 
     third = hpcrun("sweep", "--site", str(site), str(grid))
     assert "submitted 0 point(s); 2 already submitted" in third.stdout, third
@@ -96,10 +104,11 @@ def test_sweep_after_a_crash_between_sbatch_and_ledger_finds_the_array(tmp_path:
     job = recorded(run_dirs[0])[-1]
     assert resumed.returncode == 2 and resumed.stderr.strip().count("\n") == 0, resumed
     assert f"job {job} of this run is still PENDING" in resumed.stderr, resumed.stderr
-    assert jobs_tagged(f"hpcrun:{sweep_dir.name}.") == {array}
+    assert jobs_tagged(f"hpcrun:{sweep_dir.name}.", began) == {array}
 
 
 def test_submit_whose_answer_is_lost_records_the_real_job(tmp_path: Path, losing: dict[str, str]) -> None:
+    began = int(time.time())
     site = site_copy(tmp_path, "testcluster")
     out = hpcrun("submit", "--site", str(site), "--run-id", "lost-answer", str(recipe(tmp_path, "lost")), env=losing)
     (job,) = submitted(losing)
@@ -110,12 +119,14 @@ def test_submit_whose_answer_is_lost_records_the_real_job(tmp_path: Path, losing
         refused = hpcrun(again[0], "--site", str(site), *again[1:], env=losing)
         assert refused.returncode == 2 and f"job {job} of this run is still PENDING" in refused.stderr, refused
     assert recorded(run_dir) == [job] and submitted(losing) == [job]
-    assert jobs_tagged("hpcrun:lost-answer") == {job}
+    assert jobs_tagged("hpcrun:lost-answer", began) == {job}
 
 
 def test_resume_after_a_crash_between_sbatch_and_jobs_record(tmp_path: Path, losing: dict[str, str]) -> None:
+    began = int(time.time())
     site = site_copy(tmp_path, "testcluster")
-    crashed = hpcrun("submit", "--site", str(site), "--run-id", "crashed", str(recipe(tmp_path, "crash")), env={**losing, "LOSE": "crash"})
+    args = ["submit", "--site", str(site), "--run-id", "crashed", str(recipe(tmp_path, "crash"))]
+    crashed = hpcrun(*args, env={**losing, "LOSE": "crash"})
     assert crashed.returncode == -9, crashed
     (job,) = submitted(losing)
     run_dir = tmp_path / "runs" / "crashed"
@@ -123,12 +134,13 @@ def test_resume_after_a_crash_between_sbatch_and_jobs_record(tmp_path: Path, los
     resumed = hpcrun("resume", "--site", str(site), "crashed")
     assert resumed.returncode == 2 and f"job {job} of this run is still PENDING" in resumed.stderr, resumed
     assert recorded(run_dir) == [job] and not (run_dir / "submitting.json").exists()
-    assert jobs_tagged("hpcrun:crashed") == {job}
+    assert jobs_tagged("hpcrun:crashed", began) == {job}
 
 
 def test_a_lost_answer_with_no_job_is_not_sent_again_at_once(tmp_path: Path, losing: dict[str, str]) -> None:
     """sbatch fails with no word and SLURM has no job: the intent stays, and a second submission
     within the grace (an orphaned sbatch may still be answered) is refused, not sent."""
+    began = int(time.time())
     site = site_copy(tmp_path, "testcluster")
     none = {**losing, "LOSE": "none"}
     out = hpcrun("submit", "--site", str(site), "--run-id", "no-answer", str(recipe(tmp_path, "none")), env=none)
@@ -137,5 +149,5 @@ def test_a_lost_answer_with_no_job_is_not_sent_again_at_once(tmp_path: Path, los
     assert (run_dir / "submitting.json").exists() and not (run_dir / "jobs.json").exists()
     again = hpcrun("resume", "--site", str(site), "no-answer")
     assert again.returncode == 1 and "an earlier submission of this run has no recorded answer" in again.stderr, again
-    assert jobs_tagged("hpcrun:no-answer") == set() and submitted(losing) == []
+    assert jobs_tagged("hpcrun:no-answer", began) == set() and submitted(losing) == []
     assert yaml.safe_load((run_dir / "submitting.json").read_text())["tag"] == "no-answer"
