@@ -113,9 +113,9 @@ def reconcile(ledger: Ledger, all_points: list[Point], outcome: Outcome) -> back
     for pid, spec in specs.items():
         entry = ledger.points.get(pid, {})
         job = settled.found.get(Path(spec.run_dir))
-        latest = RunDir(spec.run_dir).latest_job()
-        if job is None and entry.get("state") == "submitting" and latest and latest.get("tag") == entry.get("tag"):
-            job = str(latest["job_id"])  # recorded in the run directory; hpcrun stopped before the ledger
+        if job is None and entry.get("state") == "submitting":  # hpcrun stopped after the run dir's record?
+            latest = RunDir(spec.run_dir).latest_job()
+            job = str(latest["job_id"]) if latest and latest.get("tag") == entry.get("tag") else None
         if job is not None:
             if entry.get("state") == "submitting":
                 outcome.found.append((str(entry.get("label", pid)), job))
