@@ -4,6 +4,8 @@ arrays of points that render to the same script. Concurrent invocations submit e
 
 State on disk is checked before anything is sent: a corrupt ledger, or a point's run directory
 whose jobs or state file cannot be read, stops the sweep with one line and submits nothing.
+A point left "submitting" (sbatch's answer lost) is looked up in SLURM by its array's tag first
+(hpcrun.backend.settle): found, its job is recorded; not found, it is sent again.
 """
 
 from __future__ import annotations
@@ -132,12 +134,13 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
     limit = recipe_file.sweep.max_concurrent if recipe_file.sweep else None
     with Ledger.locked(root) as ledger:
         check_run_dirs(all_points)
+        # before --retry-failed reads the points' latest jobs: a lost answer's job is the latest
+        settled = backend.Settled() if dry_run else reconcile(ledger, all_points, outcome)
         retry: set[str] = set()
         if retry_failed:
             dirs = {p.point_id: Path(p.spec.run_dir) for p in all_points if p.spec and ledger.points.get(p.point_id, {}).get("job_id")}
             failed = {s.run_id for s in statuses(list(dirs.values())) if s.state in FAILED}
             retry = {pid for pid, d in dirs.items() if d.name in failed}
-        settled = reconcile(ledger, all_points, outcome)
         todo = []
         for p in all_points:
             if p.skipped:
