@@ -92,13 +92,13 @@ def comment(tag: str) -> str:
     return TAG_PREFIX + re.sub(r"[^A-Za-z0-9._:-]", "_", tag)
 
 
-def sbatch(script: Path, dependency: str | None = None) -> str:
+def sbatch(script: Path, dependency: str | None = None, timeout: float = TIMEOUT_S) -> str:
     """Submit `script` as it is (its #SBATCH lines carry every option); returns the job id. A
     refusal raises SubmissionError with sbatch's own message; an answer that may hide an accepted
     job raises LostAnswer."""
     deps = [f"--dependency={dependency}"] if dependency else []
     try:
-        out = run(["sbatch", "--parsable", *deps, str(script)])
+        out = run(["sbatch", "--parsable", *deps, str(script)], timeout)
     except HpcrunError as exc:
         if isinstance(exc.__cause__, subprocess.TimeoutExpired):
             raise LostAnswer(exc.message) from exc

@@ -43,6 +43,12 @@ def test_an_unclear_sbatch_answer_is_lost_a_refusal_is_not(
     assert isinstance(caught.value, slurm.LostAnswer) is lost, caught.value.message
 
 
+def test_an_sbatch_that_does_not_answer_in_time_is_a_lost_answer(tools: Path, tmp_path: Path) -> None:  # noqa: F811
+    fake_tools(tools, sbatch="sleep 5; echo 42")
+    with pytest.raises(slurm.LostAnswer, match="did not answer within 1 s"):
+        slurm.sbatch(tmp_path / "script.sh", timeout=1)
+
+
 def test_tagged_jobs_match_tag_and_script_in_squeue_then_sacct(tools: Path) -> None:  # noqa: F811
     """squeue: the tag with another run's script is not ours. sacct (comments not stored): the
     script at the end of the SubmitLine, only for jobs submitted since the intent."""
