@@ -44,6 +44,13 @@ def prepare(spec: RunSpec, script: str | None = None) -> Path:
     return run_dir.path
 
 
+def prepare_run(spec: RunSpec) -> Path:
+    """`prepare` for a run submitted on its own (`hpcrun submit`), refused first while the run's
+    latest job has not ended: that job reads runspec.json again when it is requeued."""
+    require_ended(RunDir(spec.run_dir))
+    return prepare(spec)
+
+
 def require_sbatch(spec: RunSpec) -> None:
     slurm.require("sbatch", f"site {spec.site.name!r} needs a SLURM login node")
 

@@ -1,5 +1,5 @@
-"""`hpcrun resume` of a run whose latest job has not ended is refused with one line naming the
-job (exit 2): two jobs would write one run's checkpoints. Local runs ask the controller's
+"""`hpcrun resume` (and `submit --run-id`) of a run whose latest job has not ended is refused
+with one line naming the job (exit 2): two jobs would write one run's checkpoints. Local runs ask the controller's
 liveness (the cluster's refusal, by squeue, is in test_cluster_submission.py)."""
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ def test_resume_of_a_live_local_run_is_refused_and_of_an_ended_one_accepted(tmp_
         assert refused.returncode == 2, refused
         said = f"job {first} of this run is still RUNNING: wait for it to end, or cancel it (hpcrun cancel)"
         assert refused.stderr == f"Error: {run_dir}: {said}\n"
-        assert jobs(run_dir) == [first]
+        # nor may `submit --run-id` of it rewrite the plan the live job reads when requeued
+        plan = (run_dir / "runspec.json").read_text()
+        other = recipe(tmp_path, "live", job={"kind": "command", "command": ["sleep", "1"]}, resources=one_rank)
+        again = hpcrun("submit", "--site", str(site), "--run-id", run_dir.name, str(other), check=False)
+        assert again.returncode == 2 and f"job {first} of this run is still RUNNING" in again.stderr, again
+        assert (run_dir / "runspec.json").read_text() == plan and jobs(run_dir) == [first]
         hpcrun("cancel", "--site", str(site), run_dir.name)
         wait_for(lambda: not alive(first), what="the cancelled controller's end", timeout=60)
         hpcrun("resume", "--site", str(site), run_dir.name)

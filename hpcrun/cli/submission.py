@@ -31,7 +31,7 @@ def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str 
     previous: str | None = None
     submitted = []
     for spec in specs:
-        run_dir = backend.prepare(spec)
+        run_dir = backend.prepare_run(spec)
         if dry_run:
             click.echo(f"dry run: {RunDir(run_dir).script}")
             continue
