@@ -30,6 +30,8 @@ from hpcrun.status import TERMINAL, controller_alive, squeue
 # after the intent was written, so a lost submission is sent again only once the intent is older.
 INTENT_GRACE_S = 2 * slurm.TIMEOUT_S
 CLOCK_SLACK_S = 60.0  # the login node's clock against slurmctld's, when comparing submit times
+# An attempt that wrote its end (state.json) still exits (srun, the controller, SLURM's epilog)
+ENDING_WAIT_S = 30.0
 
 
 def prepare(spec: RunSpec, script: str | None = None) -> Path:
@@ -107,19 +109,31 @@ def lost(run_dir: RunDir, tag: str, why: str, wait_s: float) -> slurm.LostAnswer
 
 def require_ended(run_dir: RunDir) -> None:
     """Refuse to submit a run whose latest job has not ended (the scheduler says, or for a local
-    job its controller's liveness): two jobs would write one run's checkpoints."""
+    job its controller's liveness): two jobs would write one run's checkpoints. A job whose
+    attempt has already said it ended (state.json) is given ENDING_WAIT_S to finish exiting."""
     job = run_dir.latest_job()
     if job is None:
         return
     job_id = str(job["job_id"])
-    if job["scheduler"] == "local":
-        state = "RUNNING" if controller_alive(job_id, run_dir.path) else None
-    else:  # slurmctld holds every job until it has ended (accounting may not list a pending array task)
-        row = squeue([job_id], max_age=0).get(job_id)
-        state = row.state if row is not None and row.state not in TERMINAL else None
+    state = _live(run_dir, job_id, str(job["scheduler"]))
+    mark = run_dir.state()
+    if state is not None and mark.get("job_id") == job_id and mark.get("status") in ("stopped", "completed", "failed"):
+        deadline = time.monotonic() + ENDING_WAIT_S
+        while state is not None and time.monotonic() < deadline:
+            time.sleep(1.0)
+            state = _live(run_dir, job_id, str(job["scheduler"]))
     if state is not None:
         why = f"job {job_id} of this run is still {state}: wait for it to end, or cancel it (hpcrun cancel)"
         raise HpcrunError(why, run_dir.path)
+
+
+def _live(run_dir: RunDir, job_id: str, scheduler: str) -> str | None:
+    """The state of a job that has not ended, or None once it has."""
+    if scheduler == "local":
+        return "RUNNING" if controller_alive(job_id, run_dir.path) else None
+    # slurmctld holds every job until it has ended (accounting may not list a pending array task)
+    row = squeue([job_id], max_age=0).get(job_id)
+    return row.state if row is not None and row.state not in TERMINAL else None
 
 
 def submit(spec: RunSpec, dependency: str | None = None) -> str:
