@@ -4,11 +4,14 @@ arrays of points that render to the same script. Concurrent invocations submit e
 
 State on disk is checked before anything is sent: a corrupt ledger, or a point's run directory
 whose jobs or state file cannot be read, stops the sweep with one line and submits nothing.
+A point left "submitting" (sbatch's answer lost) is looked up in SLURM by its array's tag first
+(hpcrun.backend.settle): found, its job is recorded; not found, it is sent again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 import typing as tp
 from pathlib import Path
 
@@ -88,6 +91,8 @@ class Outcome:
     cap: str | None = None  # the job cap SLURM applies (hpcrun.quota), when one does
     already: int = 0
     scripts: list[str] = dataclasses.field(default_factory=list)
+    found: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (point, job): a lost answer SLURM had
+    waiting: list[str] = dataclasses.field(default_factory=list)  # a lost answer too recent to send again
 
 
 def check_run_dirs(all_points: list[Point]) -> None:
@@ -100,6 +105,26 @@ def check_run_dirs(all_points: list[Point]) -> None:
             run_dir.state()
 
 
+def reconcile(ledger: Ledger, all_points: list[Point], outcome: Outcome) -> backend.Settled:
+    """Points sent earlier whose answer was not recorded (sbatch's answer lost, or hpcrun stopped
+    between sbatch and the ledger): the job SLURM holds under the submission's tag, or the one
+    their run directory recorded, goes into the ledger. Points SLURM has no job for stay in the
+    state "submitting"; `settled.waiting` are too recent to send again."""
+    specs = {p.point_id: p.spec for p in all_points if p.spec}
+    settled = backend.settle([RunDir(spec.run_dir) for spec in specs.values()])
+    for pid, spec in specs.items():
+        entry = ledger.points.get(pid, {})
+        job = settled.found.get(Path(spec.run_dir))
+        if job is None and entry.get("state") == "submitting":  # hpcrun stopped after the run dir's record?
+            latest = RunDir(spec.run_dir).latest_job()
+            job = str(latest["job_id"]) if latest and latest.get("tag") == entry.get("tag") else None
+        if job is not None:
+            if entry.get("state") == "submitting":
+                outcome.found.append((str(entry.get("label", pid)), job))
+            ledger.record(pid, job_id=job, state="submitted")
+    return settled
+
+
 def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_failed: bool = False) -> Outcome:
     """Submit the points of a sweep that are missing (and, if asked, those that failed)."""
     sid = sweep_id(recipe_file, site)
@@ -109,6 +134,8 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
     limit = recipe_file.sweep.max_concurrent if recipe_file.sweep else None
     with Ledger.locked(root) as ledger:
         check_run_dirs(all_points)
+        # before --retry-failed reads the points' latest jobs: a lost answer's job is the latest
+        settled = backend.Settled() if dry_run else reconcile(ledger, all_points, outcome)
         retry: set[str] = set()
         if retry_failed:
             dirs = {p.point_id: Path(p.spec.run_dir) for p in all_points if p.spec and ledger.points.get(p.point_id, {}).get("job_id")}
@@ -119,6 +146,10 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
             if p.skipped:
                 outcome.skipped.append((p.label, p.skipped))
                 ledger.record(p.point_id, label=p.label, state="skipped", reason=p.skipped)
+            elif p.spec and Path(p.spec.run_dir) in settled.waiting:
+                outcome.waiting.append(p.label)
+            elif ledger.points.get(p.point_id, {}).get("state") == "submitting":
+                todo.append(p)  # sent before, and SLURM has no job for it: send again
             elif ledger.points.get(p.point_id, {}).get("job_id") and p.point_id not in retry:
                 outcome.already += 1
             else:
@@ -148,10 +179,17 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
             for chunk in chunks:
                 spec_text = f"0-{len(chunk) - 1}" + (f"%{limit}" if limit else "")
                 outcome.arrays.append((spec_text, [by_run[s.run_id].label for s in chunk]))
+                tag = backend.array_tag(chunk)
                 if dry_run:
-                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs"))
+                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs", tag))
                     continue
-                jobs = backend.submit_array(chunk, root / "logs", limit)
+                now = time.time()
+                for spec in chunk:  # the intent, saved before sbatch is called (hpcrun.backend.settle)
+                    point = by_run[spec.run_id]
+                    intent = {"state": "submitting", "tag": tag, "at": now}
+                    ledger.record(point.point_id, label=point.label, run_id=spec.run_id, **intent)
+                ledger.save()
+                jobs = backend.submit_array(chunk, root / "logs", limit, tag)
                 for spec, job in zip(chunk, jobs):
                     point = by_run[spec.run_id]
                     outcome.submitted.append((point.label, job))

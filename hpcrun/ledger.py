@@ -1,5 +1,7 @@
 """A sweep's ledger on disk: point -> run -> job. Every read-decide-submit-record cycle holds a
-file lock, so a cron run and a manual run on the login node never submit a point twice.
+file lock, so a cron run and a manual run on the login node never submit a point twice. A point
+is `submitting` (with its array's tag and the time) from before sbatch runs until its job is
+recorded: one left so was sent without a recorded answer, and is looked up (hpcrun.campaign).
 
 A ledger that exists but cannot be read is refused (CorruptStateError, one line, exit 2):
 reading it as empty would submit every point again."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jinja2
 
-from hpcrun import __version__
+from hpcrun import __version__, slurm
 from hpcrun.fields import format_minutes
 from hpcrun.plan import RunSpec
 from hpcrun.site import shipped_dirs
@@ -59,25 +59,25 @@ def template_name(spec: RunSpec) -> tuple[str | None, str]:
 
 
 def render(spec: RunSpec) -> str:
-    """The script for one run."""
-    return _render(spec, None, [spec.run_dir], spec.log_folder)
+    """The script for one run, tagged with its run id (hpcrun.backend looks a lost submission up by it)."""
+    return _render(spec, None, [spec.run_dir], spec.log_folder, spec.run_id)
 
 
-def render_array(specs: list[RunSpec], array: str, log_folder: Path) -> str:
-    """The one script of a job array (`array` is `0-N%M`): task `i` runs `specs[i]`, whose run
-    directory the script lists, so the submitted file says exactly what each task runs. Every
-    spec must render to the same `array_key`."""
-    return _render(specs[0], array, [s.run_dir for s in specs], log_folder)
+def render_array(specs: list[RunSpec], array: str, log_folder: Path, tag: str) -> str:
+    """The one script of a job array (`array` is `0-N%M`) tagged `tag`: task `i` runs `specs[i]`,
+    whose run directory the script lists, so the submitted file says exactly what each task runs.
+    Every spec must render to the same `array_key`."""
+    return _render(specs[0], array, [s.run_dir for s in specs], log_folder, tag)
 
 
 def array_key(spec: RunSpec) -> str:
     """The text of the array script `spec` would share, without the list of points: sweep
     points with the same key can be one array, whatever fields they differ in. The array and
     its log folder are placeholders: a sweep's arrays share one log folder."""
-    return _render(spec, "ARRAY", [], Path("LOGS"))
+    return _render(spec, "ARRAY", [], Path("LOGS"), "TAG")
 
 
-def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: Path) -> str:
+def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: Path, tag: str) -> str:
     extra, name = template_name(spec)
     template = environment(extra).get_template(name)
     site = spec.site
@@ -101,4 +101,5 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         job_pattern="%A_%a" if array else "%j",
         nvme_dir=spec.nvme_dir,
         hostname=site.network.hostname,
+        comment=slurm.comment(tag),
     )

@@ -23,6 +23,7 @@ from hpcrun.errors import HpcrunError
 SPEC = "runspec.json"
 SCRIPT = "script.sh"
 JOBS = "jobs.json"
+SUBMITTING = "submitting.json"
 STATE = "state.json"
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
@@ -116,8 +117,8 @@ def lock(path: Path) -> FileLock:
 
 class RunDir:
     """`<runs_dir>/<run id>/`: runspec.json (the resolved plan), script.sh (what was submitted),
-    jobs.json (every submission), state.json (the runtime's last word), logs/, checkpoints/,
-    and a stage's exported final weights."""
+    jobs.json (every submission), submitting.json (one sent, not yet answered), state.json (the
+    runtime's last word), logs/, checkpoints/, and a stage's exported final weights."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -140,6 +141,11 @@ class RunDir:
     @property
     def jobs_file(self) -> Path:
         return self.path / JOBS
+
+    @property
+    def intent_file(self) -> Path:
+        """A submission sent but not yet answered (hpcrun.backend): its tag, time and script."""
+        return self.path / SUBMITTING
 
     @property
     def state_file(self) -> Path:
@@ -239,10 +245,32 @@ class RunDir:
         return jobs[-1] if jobs else None
 
     def record_job(self, job_id: str, scheduler: str, **extra: str) -> None:
+        """Add a submission's job; it answers the pending intent, if any, which goes."""
         with lock(self.jobs_file):
             jobs = self.jobs()
             jobs.append({"job_id": job_id, "scheduler": scheduler, "submitted": time.time(), **extra})
             write_json(self.jobs_file, jobs)
+            self.intent_file.unlink(missing_ok=True)
+
+    def intent(self) -> dict[str, tp.Any] | None:
+        """The submission sent without a recorded answer, or None."""
+        intent = read_json(self.intent_file, None)
+        if intent is not None and not (isinstance(intent, dict) and {"tag", "at", "script"} <= intent.keys()):
+            raise CorruptStateError(self.intent_file, "not a submission intent (tag, at, script)")
+        return intent
+
+    def record_intent(self, tag: str, script: Path, **extra: tp.Any) -> None:
+        """Say, before sending it, that a submission tagged `tag` of `script` is under way: if its
+        answer is lost, the next submission looks the job up by its tag instead of doubling it."""
+        write_json(self.intent_file, {"tag": tag, "at": time.time(), "script": str(script), **extra})
+
+    def clear_intent(self) -> None:
+        """The pending submission is known not to have created a job."""
+        self.intent_file.unlink(missing_ok=True)
+
+    def submitting(self) -> FileLock:
+        """Held from reading the intent to recording the job: one submission of a run at a time."""
+        return lock(self.intent_file)
 
     # the runtime's marker ----------------------------------------------------------------
     def state(self) -> dict[str, tp.Any]:

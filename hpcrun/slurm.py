@@ -5,9 +5,11 @@ hook for the script text)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import getpass
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import typing as tp
@@ -74,17 +76,101 @@ def require(tool: str, why: str) -> None:
         raise SubmissionError(f"{tool} is not on PATH: {why}")
 
 
-def sbatch(script: Path, dependency: str | None = None) -> str:
+TAG_PREFIX = "hpcrun:"
+# sbatch's messages when the controller may have taken the job although sbatch saw no answer
+UNSURE = ("timed out", "time out", "unable to contact", "zero bytes were transmitted", "connection refused")
+
+
+class LostAnswer(SubmissionError):
+    """sbatch gave no usable answer (it timed out, died, or printed no job id and no refusal):
+    SLURM may hold the job, so the caller must look it up by its tag before submitting again."""
+
+
+def comment(tag: str) -> str:
+    """The `--comment` a submission tagged `tag` carries (SLURM keeps it with the job), in
+    characters that need no quoting on an #SBATCH line."""
+    return TAG_PREFIX + re.sub(r"[^A-Za-z0-9._:-]", "_", tag)
+
+
+def sbatch(script: Path, dependency: str | None = None, timeout: float = TIMEOUT_S) -> str:
     """Submit `script` as it is (its #SBATCH lines carry every option); returns the job id. A
-    refusal raises SubmissionError with sbatch's own message."""
+    refusal raises SubmissionError with sbatch's own message; an answer that may hide an accepted
+    job raises LostAnswer."""
     deps = [f"--dependency={dependency}"] if dependency else []
-    out = run(["sbatch", "--parsable", *deps, str(script)])
+    try:
+        out = run(["sbatch", "--parsable", *deps, str(script)], timeout)
+    except HpcrunError as exc:
+        if isinstance(exc.__cause__, subprocess.TimeoutExpired):
+            raise LostAnswer(exc.message) from exc
+        raise
     if out.returncode != 0:
         lines = (out.stderr.strip() or out.stdout.strip()).splitlines()
-        refusal = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else f"exit status {out.returncode}")
-        raise SubmissionError(f"submission refused: {refusal.strip()}")
+        refusal = next((line.strip() for line in lines if "error" in line.lower()), None)
+        if refusal is None or any(word in refusal.lower() for word in UNSURE):
+            raise LostAnswer(f"sbatch exited {out.returncode} with no clear refusal ({refusal or 'no message'})")
+        raise SubmissionError(f"submission refused: {refusal}")
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     job_id = last.split(";")[0]  # --parsable: "id" or "id;cluster"
     if not job_id.isdigit():
-        raise SubmissionError(f"sbatch answered {out.stdout.strip()!r}, not a job id")
+        raise LostAnswer(f"sbatch answered {out.stdout.strip()!r}, not a job id")
     return job_id
+
+
+def tagged_jobs(scripts: tp.Mapping[str, str], since: float) -> dict[str, list[str]]:
+    """The jobs (array ids for arrays) submitted at or after `since` with each tag of `scripts`
+    (tag -> the script path given to sbatch) and that script, oldest first: the script tells two
+    runs' jobs apart where their tags meet (the same run id in two runs directories). squeue
+    knows a job while it is queued, running or recently ended; then sacct does, by its comment
+    where accounting stores comments (AccountingStoreFlags=job_comment) and by its SubmitLine."""
+    found: dict[str, list[str]] = {}
+    for job, submitted, text, command in _squeue_submissions():
+        for tag, script in scripts.items():
+            if text == comment(tag) and _same_path(command, script) and submitted >= since:
+                found.setdefault(tag, []).append(job)
+    missing = {tag: script for tag, script in scripts.items() if tag not in found}
+    for job, submitted, text, line in _sacct_submissions(since) if missing else []:
+        for tag, script in missing.items():
+            # an empty comment: accounting does not store comments (SLURM's default)
+            if text in ("", comment(tag)) and line.endswith(f" {script}") and submitted >= since:
+                found.setdefault(tag, []).append(job)
+    return {tag: sorted(set(jobs), key=lambda job: int(job) if job.isdigit() else 0) for tag, jobs in found.items()}
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
+
+
+def _when(text: str) -> float:
+    """A time as SLURM's tools print it (local time), as seconds since the epoch; 0 when unknown."""
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _squeue_submissions() -> list[tuple[str, float, str, str]]:
+    """(job or array id, submit time, comment, script) of every job of this user slurmctld holds."""
+    out = run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%V|%k|%o"])
+    if out.returncode != 0:
+        raise HpcrunError(f"squeue failed, so a lost submission cannot be looked up: {_said(out)}")
+    # the comment cannot hold "|" (slurm.comment), the script path can: split from the left
+    rows = [row for row in (line.split("|", 3) for line in out.stdout.splitlines()) if len(row) == 4]
+    return [(job, _when(submitted), text, command) for job, submitted, text, command in rows]
+
+
+def _sacct_submissions(since: float) -> list[tuple[str, float, str, str]]:
+    """(job or array id, submit time, comment, submit line) of this user's jobs since `since`
+    from accounting; [] where accounting is disabled."""
+    start = dt.datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
+    fields = "JobID,Submit,Comment,SubmitLine"
+    out = run(["sacct", "-X", "-n", "-P", "-u", user(), "-S", start, "-E", "now", "-o", fields])
+    if out.returncode != 0:
+        if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
+            return []
+        raise HpcrunError(f"sacct failed, so a lost submission cannot be looked up: {_said(out)}")
+    rows = [row for row in (line.split("|", 3) for line in out.stdout.splitlines()) if len(row) == 4]
+    return [(job.split("_")[0], _when(submitted), text, line) for job, submitted, text, line in rows]
+
+
+def _said(out: subprocess.CompletedProcess[str]) -> str:
+    return out.stderr.strip() or out.stdout.strip()

@@ -31,7 +31,7 @@ def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str 
     previous: str | None = None
     submitted = []
     for spec in specs:
-        run_dir = backend.prepare(spec)
+        run_dir = backend.prepare_run(spec)
         if dry_run:
             click.echo(f"dry run: {RunDir(run_dir).script}")
             continue
@@ -128,6 +128,10 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
         click.echo(f"  array {array}: " + "; ".join(labels))
     for label in out.deferred:
         click.echo(f"  deferred {label}: no room under {out.cap} now; run hpcrun sweep again later")
+    for label, job in out.found:
+        click.echo(f"  found    {label}: job {job} (sbatch's answer was lost; SLURM has the job under its tag)")
+    for label in out.waiting:
+        click.echo(f"  waiting  {label}: sent, its answer lost, no job seen yet; run hpcrun sweep again later")
     if dry_run:
         for script in out.scripts:
             click.echo("#" * 72 + "\n" + script, nl=False)
@@ -140,7 +144,8 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
 @click.argument("run")
 @click.option("--wait", is_flag=True)
 def resume(site_name: str, run: str, wait: bool) -> None:
-    """Submit RUN again; it continues from its newest complete checkpoint."""
+    """Submit RUN again; it continues from its newest complete checkpoint. Refused while the
+    run's latest job has not ended."""
     from hpcrun import backend
 
     run_dir = one_run(site_name, run)

@@ -2,6 +2,7 @@
 # Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden, recipe quickstart, site slingshot.
 # This file is exactly what was submitted with sbatch.
 #SBATCH --job-name=quickstart
+#SBATCH --comment=hpcrun:20260101-000000-0000-golden
 #SBATCH --partition=gpu
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2

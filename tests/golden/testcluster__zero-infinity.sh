@@ -2,6 +2,7 @@
 # Rendered by hpcrun 0.1.0: run 20260101-000000-0000-golden, recipe zero-infinity, site testcluster.
 # This file is exactly what was submitted with sbatch.
 #SBATCH --job-name=zero-infinity
+#SBATCH --comment=hpcrun:20260101-000000-0000-golden
 #SBATCH --partition=batch
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
