@@ -63,11 +63,12 @@ TABLE: dict[str, JobState] = {s.name: s for s in (
     JobState("RESUMABLE", _F, "hpcrun: stopped after saving a checkpoint; `hpcrun resume` continues it"),
 )}
 
-COMPLETED, FAILED, RUNNING, COMPLETING = "COMPLETED", "FAILED", "RUNNING", "COMPLETING"
+COMPLETED, FAILED, RUNNING, COMPLETING, NODE_FAIL = "COMPLETED", "FAILED", "RUNNING", "COMPLETING", "NODE_FAIL"
 UNKNOWN, LEFT_QUEUE, RESUMABLE, REQUEUED = "UNKNOWN", "LEFT_QUEUE", "RESUMABLE", "REQUEUED"
 
 # state.json's `status` (the runtime's word on an attempt) -> the state it stands for when
-# the scheduler says nothing (local runs, a cluster without accounting)
+# the scheduler says nothing (local runs, a cluster without accounting); any other (`requeueing`:
+# the job left the queue although a requeue was under way) ended without saying how
 MARKERS = {"completed": COMPLETED, "failed": FAILED, "stopped": RESUMABLE, "requeued": REQUEUED}
 
 
