@@ -18,12 +18,12 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import localjob, slurm
+from hpcrun import jobstate, localjob, slurm
 from hpcrun.errors import HpcrunError, SubmissionError
 from hpcrun.plan import RunSpec
 from hpcrun.render import render, render_array
 from hpcrun.rundir import CorruptStateError, RunDir, atomic_write
-from hpcrun.status import TERMINAL, controller_alive, squeue
+from hpcrun.status import controller_alive, squeue
 
 # An sbatch whose hpcrun died may still be waiting on slurmctld: its job could appear this long
 # after the intent was written, so a lost submission is sent again only once the intent is older.
@@ -132,7 +132,7 @@ def _live(run_dir: RunDir, job_id: str, scheduler: str) -> str | None:
         return "RUNNING" if controller_alive(job_id, run_dir.path) else None
     # slurmctld holds every job until it has ended (accounting may not list a pending array task)
     row = squeue([job_id], max_age=0).get(job_id)
-    return row.state if row is not None and row.state not in TERMINAL else None
+    return row.state if row is not None and not jobstate.of(row.state).done else None
 
 
 def submit(spec: RunSpec, dependency: str | None = None) -> str:

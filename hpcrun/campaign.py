@@ -15,7 +15,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import backend, quota, render
+from hpcrun import backend, jobstate, quota, render
 from hpcrun.errors import HpcrunError
 from hpcrun.ledger import Ledger
 from hpcrun.memory import misfit
@@ -25,8 +25,6 @@ from hpcrun.rundir import RunDir, sweep_dir
 from hpcrun.site import Site
 from hpcrun.status import statuses, wait
 from hpcrun.sweep import describe, expand, point_id, sweep_id
-
-FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +137,7 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
         retry: set[str] = set()
         if retry_failed:
             dirs = {p.point_id: Path(p.spec.run_dir) for p in all_points if p.spec and ledger.points.get(p.point_id, {}).get("job_id")}
-            failed = {s.run_id for s in statuses(list(dirs.values())) if s.state in FAILED}
+            failed = {s.run_id for s in statuses(list(dirs.values())) if jobstate.failed(s.state)}
             retry = {pid for pid, d in dirs.items() if d.name in failed}
         todo = []
         for p in all_points:

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from hpcrun import slurm
+from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
 from hpcrun.site import Site
@@ -113,7 +113,7 @@ def probe_findings(site: Site, run_dir: Path, job_state: str) -> list[Finding]:
             "fail", f"rank {r['rank']} on {r['node']}", f"interface {iface!r} has no address there (it has {', '.join(r['interfaces'])})",
             f"set network.interface in {where} to the node's high-speed interface",
         ))
-    if missing or job_state != "COMPLETED" or not all("allreduce" in r for r in reports):
+    if missing or job_state != jobstate.COMPLETED or not all("allreduce" in r for r in reports):
         if not missing:
             found.append(Finding("fail", "probe job", f"ended {job_state} with {len(reports)} rank report(s)", "see hpcrun logs for the run"))
         return found

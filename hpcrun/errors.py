@@ -29,3 +29,11 @@ class SubmissionError(HpcrunError):
     """The scheduler refused or failed a request (its own message is kept)."""
 
     exit_code = 1
+
+
+class ToolError(SubmissionError):
+    """A SLURM tool that could not be started (missing, not executable): nothing was sent, so a
+    submission's fresh run directory goes (a SubmissionError), but it is the site's setup that
+    is wrong, exit code 2 like every failed SLURM tool."""
+
+    exit_code = 2

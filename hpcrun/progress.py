@@ -13,6 +13,7 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpcrun import jobstate
 from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
 
 if tp.TYPE_CHECKING:
@@ -131,7 +132,7 @@ def live(status: RunStatus) -> bool:
     """Whether the progress speaks for the job now running (not a previous submission's last
     word, nor a finished run whose ETA means nothing)."""
     p = status.progress
-    return p is not None and status.state == "RUNNING" and p.job_id in ("", status.job_id)
+    return p is not None and status.state == jobstate.RUNNING and p.job_id in ("", status.job_id)
 
 
 def words(status: RunStatus, now: float) -> list[str]:
@@ -277,12 +278,16 @@ class Counts:
         self.out.flush()
 
 
+# a requeued job waits in the queue again: pending, like one never started
+COUNTED = {jobstate.Phase.SUCCEEDED: "done", jobstate.Phase.FAILED: "failed", jobstate.Phase.ACTIVE: "running",
+           jobstate.Phase.PENDING: "pending", jobstate.Phase.RETURNING: "pending"}
+
+
 def counts_line(current: list[RunStatus]) -> str:
     """`done N  running N  pending N  failed N` of runs."""
     counts = dict.fromkeys(("done", "running", "pending", "failed"), 0)
     for r in current:
-        key = "done" if r.state == "COMPLETED" else "failed" if r.done else "running" if r.state in ("RUNNING", "COMPLETING") else "pending"
-        counts[key] += 1
+        counts[COUNTED[jobstate.phase(r.state)]] += 1
     return "  ".join(f"{k} {n}" for k, n in counts.items())
 
 

@@ -15,19 +15,33 @@ import subprocess
 import typing as tp
 from pathlib import Path
 
-from hpcrun.errors import HpcrunError, SubmissionError
+from hpcrun.errors import HpcrunError, SubmissionError, ToolError
 
 TIMEOUT_S = 60
 
 
-def run(cmd: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """Run a SLURM tool; the caller reads its return code and output."""
+def run(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a SLURM tool (within `timeout`, TIMEOUT_S by default); the caller reads its return
+    code and output. A tool that cannot be started or does not answer is one line naming it."""
+    limit = TIMEOUT_S if timeout is None else timeout
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except FileNotFoundError as exc:
-        raise HpcrunError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
+        raise ToolError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
+    except PermissionError as exc:
+        raise ToolError(f"{cmd[0]} is not executable ({_where(cmd[0])}): permission denied") from exc
+    except OSError as exc:  # e.g. a wrapper script without its #! line (ENOEXEC)
+        raise ToolError(f"{cmd[0]} could not be started ({_where(cmd[0])}): {exc.strerror or exc}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise HpcrunError(f"{cmd[0]} did not answer within {timeout:.0f} s: is slurmctld reachable?") from exc
+        raise HpcrunError(f"{cmd[0]} did not answer within {limit:g} s: is slurmctld reachable?") from exc
+
+
+def _where(tool: str) -> str:
+    """The first file named `tool` on PATH, executable or not (shutil.which skips the latter)."""
+    if os.sep in tool:
+        return tool
+    found = (Path(d) / tool for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d)
+    return str(next((p for p in found if p.is_file()), tool))
 
 
 def user() -> str:
@@ -72,8 +86,11 @@ def compress_ids(job_ids: list[str]) -> list[str]:
 
 
 def require(tool: str, why: str) -> None:
+    """`tool` can be run from here: on PATH and executable (ToolError, exit code 2, if not)."""
     if shutil.which(tool) is None:
-        raise SubmissionError(f"{tool} is not on PATH: {why}")
+        where = _where(tool)
+        problem = "is not on PATH" if where == tool else f"is not executable ({where})"
+        raise ToolError(f"{tool} {problem}: {why}")
 
 
 TAG_PREFIX = "hpcrun:"

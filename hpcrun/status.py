@@ -11,13 +11,12 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import localjob, pollcache, progress, slurm
+from hpcrun import jobstate, localjob, pollcache, progress, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.progress import Progress
 from hpcrun.rundir import RunDir
 
 MAX_WAIT_AGE_S = 30.0  # the oldest scheduler answer a long --wait accepts (hpcrun.status.scheduler_age)
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "STOPPED"}
 
 
 @dataclasses.dataclass
@@ -35,7 +34,7 @@ class RunStatus:
 
     @property
     def done(self) -> bool:
-        return self.state in TERMINAL
+        return jobstate.done(self.state)
 
 
 @dataclasses.dataclass
@@ -87,7 +86,7 @@ def parse_sacct(text: str) -> dict[str, SchedulerRow]:
         if len(parts) < 5:
             continue
         job, state, nodes, elapsed, reason = parts[:5]
-        state = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
+        state = jobstate.of(state).name  # "CANCELLED by 0" -> CANCELLED
         previous = rows.get(job)
         rows[job] = SchedulerRow(state, nodes, int(elapsed) if elapsed.isdigit() else None, reason, (previous.records + 1) if previous else 1)
     return rows
@@ -177,10 +176,11 @@ def statuses(run_dirs: list[Path], max_age: float = pollcache.POLL_S) -> list[Ru
     now = time.time()
     for status in result:
         p = status.progress
-        if p is not None and p.job_id == status.job_id:  # the attempt now running may not have ended yet
-            status.restarts = max(status.restarts, p.restart_count)
+        mine = p if p is not None and p.job_id == status.job_id else None  # this job's, not an earlier one's
+        if mine is not None:  # the attempt now running may not have ended yet
+            status.restarts = max(status.restarts, mine.restart_count)
         if status.source == "local" and status.elapsed_s is None and status.submitted is not None:
-            end = now if status.state == "RUNNING" else (p.updated if p is not None and p.job_id == status.job_id else None)
+            end = now if status.state == jobstate.RUNNING else (mine.updated if mine is not None else None)
             status.elapsed_s = None if end is None else max(0, int(end - status.submitted))
     return result
 
@@ -203,19 +203,22 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
         mark = marker(run_dir)
         own = mark if mark.get("job_id") == job["job_id"] else {}
         if job["scheduler"] == "local":
-            state = "RUNNING" if alive(job["job_id"]) else _from_marker(own)
+            state = jobstate.RUNNING if alive(job["job_id"]) else jobstate.from_marker(own.get("status", ""))
             submitted = job.get("submitted")
             since = float(submitted) if isinstance(submitted, (int, float)) else None
             result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), run_notes(own.get("reason") or "", mark), "local", submitted=since))
             continue
         row = rows.get(job["job_id"])
         if row is None:
-            state = _from_marker(own) if own else ("UNKNOWN" if source == "sacct" else "LEFT_QUEUE")
+            unheard = jobstate.UNKNOWN if source == "sacct" else jobstate.LEFT_QUEUE  # not in sacct yet / left squeue
+            state = jobstate.from_marker(own.get("status", "")) if own else unheard
             result.append(RunStatus(run_dir.name, job["job_id"], state, "", None, int(own.get("restart_count", 0)), run_notes(own.get("reason") or "", mark), source))
             continue
         state = row.state
-        if own.get("status") == "failed" and state == "COMPLETED":  # stopped at the requeue cap
-            state = "FAILED"
+        if state == jobstate.COMPLETED and own.get("status") not in (None, "completed"):
+            # the batch script ended well, the attempt did not: failed (the requeue cap), or
+            # stopped and saved but not requeued (a requeue sacct would show as REQUEUED)
+            state = jobstate.FAILED if own["status"] == "failed" else jobstate.RESUMABLE
         reason = own.get("reason") or ("" if row.reason in ("None", "") else row.reason)
         result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, run_notes(reason, mark), source))
     return result
@@ -230,10 +233,6 @@ def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:
     if mark.get("excluded_nodes"):
         reason = f"{reason}; excluding {','.join(mark['excluded_nodes'])}"
     return reason.lstrip("; ")
-
-
-def _from_marker(mark: dict[str, tp.Any]) -> str:
-    return {"completed": "COMPLETED", "failed": "FAILED", "stopped": "STOPPED", "requeued": "REQUEUED"}.get(mark.get("status", ""), "FAILED")
 
 
 def scheduler_age(waited_s: float) -> float:
@@ -278,9 +277,9 @@ def wait(
             shown = key
         if on_poll:
             on_poll(current)
-        if (current and all(s.done for s in current)) or (deadline is not None and time.time() > deadline):
+        if (current and all(s.done for s in current)) or (deadline is not None and time.time() >= deadline):
             return current
         # a watcher of thousands of runs (their files are read every poll) spends at most a
         # quarter of its time polling: a login node is shared
         pause = max(interval, 3 * (time.monotonic() - polled))
-        time.sleep(pause)
+        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.time())))

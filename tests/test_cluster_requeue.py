@@ -5,6 +5,7 @@ restart), must end with the weights of an uninterrupted one, bit for bit."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import typing as tp
@@ -139,6 +140,35 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)  # one requeue per interruption
     assert preemptor_ran(urgent.split(";")[0]), records(urgent.split(";")[0])
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+
+
+def test_usr2_to_the_batch_shell_requeues_once_and_completes_bit_identical(shared: Path, baseline: Path) -> None:
+    """`scancel --signal=USR2 --full` reaches the batch shell too (as `--batch`, a site's
+    `--signal=B:USR2@N` or a wrapper would): the shell passes the stop to the ranks and waits, so
+    the job is requeued once, never FAILED, and completes with an uninterrupted run's weights.
+    state.json says `requeued` only once SLURM counts the requeue. (Before the fix: FAILED, batch
+    step 0:12, while state.json said `requeued`.)"""
+    # 0.8 s per step: >= 16 s of training after the first checkpoint (step 10) for the stop
+    run_dir, job = submit(shared, "usr2-batch-shell", job=entrypoint_job(str(ROOT), 0.8))
+    wait_checkpoint(run_dir)
+    subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
+    deadline = time.time() + 420
+    said = None  # what state.json first says of the stopped attempt, and SLURM's restart count then
+    while time.time() < deadline:
+        ended = records(job)[-1:] in (["COMPLETED"], ["FAILED"], ["CANCELLED"])
+        now = state(run_dir) if (run_dir / "state.json").exists() else {}
+        if said is None and now.get("restart_count") == 0 and now.get("status") in ("requeued", "stopped", "failed"):
+            shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+            said = (now["status"], re.search(r"Restarts=(\d+)", shown)[1] if "Restarts=" in shown else shown)
+        if ended:  # the runs' own word is written before their step, and so the job, ends
+            break
+        time.sleep(1)
+    assert records(job) == ["REQUEUED", "COMPLETED"], (records(job), state(run_dir))  # one requeue, not FAILED
+    # state.json agrees with SLURM: `requeued` once SLURM counts the requeue
+    assert said is not None and said == ("requeued", "1"), said
+    final = state(run_dir)
+    assert final["status"] == "completed" and final["restart_count"] == 1, final
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 

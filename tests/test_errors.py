@@ -73,6 +73,39 @@ def test_sweep_with_a_failing_scontrol_is_one_line(bare_path: Path, tmp_path: Pa
     assert not (tmp_path / "submitted").exists()
 
 
+# --- SLURM tools that cannot run: not executable, hung -------------------------------------------
+def test_sbatch_not_executable_is_one_line(bare_path: Path, tmp_path: Path) -> None:
+    fake_tools(bare_path, sbatch=SBATCH_THAT_COUNTS)
+    (bare_path / "sbatch").chmod(0o644)
+    site = site_copy(tmp_path, "testcluster")
+    line = one_line_refusal(cli("submit", "--site", str(site), "--run-id", "r-x", "jobs/quickstart.yaml"))
+    why = "site 'testcluster-test' needs a SLURM login node"
+    assert line == f"Error: sbatch is not executable ({bare_path}/sbatch): {why}"
+    assert not (tmp_path / "runs" / "r-x").exists()  # nothing was sent: no run directory that looks live
+
+
+def test_a_tool_not_executable_is_one_line_wherever_it_is_run(bare_path: Path, tmp_path: Path) -> None:
+    """Past `require` (here status's sacct, never checked first): the same line, not a traceback."""
+    fake_tools(bare_path, sacct="exit 0")
+    (bare_path / "sacct").chmod(0o644)
+    run_dir = fake_run(tmp_path / "runs", "r-1")
+    (run_dir / "jobs.json").write_text(json.dumps([{"job_id": "7", "scheduler": "slurm"}]))
+    line = one_line_refusal(cli("status", "--site", str(site_copy(tmp_path, "testcluster")), "r-1"))
+    assert line == f"Error: sacct is not executable ({bare_path}/sacct): permission denied"
+
+
+def test_a_hung_sbatch_is_one_line(bare_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpcrun.slurm
+
+    monkeypatch.setattr(hpcrun.slurm, "TIMEOUT_S", 1.0)  # hpcrun's own limit, shortened for the test
+    fake_tools(bare_path, sbatch="exec /bin/sleep 60")
+    site = site_copy(tmp_path, "testcluster")
+    start = time.monotonic()
+    line = one_line_refusal(cli("submit", "--site", str(site), "jobs/quickstart.yaml"))
+    assert time.monotonic() - start < 20
+    assert line == "Error: sbatch did not answer within 1 s: is slurmctld reachable?"
+
+
 # --- hpcrun logs of a dry run ----------------------------------------------------------------
 @pytest.mark.parametrize("follow", [False, True])
 def test_logs_of_a_dry_run_is_one_line(follow: bool, tmp_path: Path) -> None:

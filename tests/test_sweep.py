@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from hpcrun.campaign import arrays, points
@@ -148,7 +149,10 @@ def test_ten_concurrent_sweeps_submit_each_point_once(tmp_path: Path) -> None:
     assert all((d / "script.sh").read_text().count("#SBATCH --array=0-3%4") == 1 for d in run_dirs)
 
 
-def test_retry_failed_resubmits_only_failed_points(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ended", ["FAILED", "DEADLINE"])
+def test_retry_failed_resubmits_only_failed_points(ended: str, tmp_path: Path) -> None:
+    """Only the point that ended without completing (any such state: hpcrun.jobstate) goes again;
+    a SUSPENDED one has not ended."""
     bindir = tmp_path / "bin"
     fake_tools(
         bindir,
@@ -157,10 +161,10 @@ def test_retry_failed_resubmits_only_failed_points(tmp_path: Path) -> None:
         scontrol='echo "MaxArraySize            = 1001"',
         sacctmgr="exit 0",
         squeue="exit 0",
-        # the first array's task 1 failed, everything else completed
+        # the first array's task 1 ended badly, its task 2 is suspended, everything else completed
         sacct=(
-            'for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do '
-            's=COMPLETED; [ "$j" = 101_1 ] && s=FAILED; echo "$j|$s|node1|5|None"; done'
+            f'for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do s=COMPLETED; [ "$j" = 101_1 ] && s={ended}; '
+            '[ "$j" = 101_2 ] && s=SUSPENDED; echo "$j|$s|node1|5|None"; done'
         ),
     )
     site = site_copy(tmp_path, "testcluster")

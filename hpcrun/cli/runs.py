@@ -16,7 +16,9 @@ from hpcrun.rundir import RunDir
 @site_option
 @click.argument("run", required=False)
 @click.option("--wait", is_flag=True, help="Follow the runs to their end (Ctrl-C stops following, never the jobs); exit non-zero if one failed.")
-def status(site_name: str, run: str | None, wait: bool) -> None:
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="With --wait: stop following after SECONDS, exit status 124 if a run has not ended.")
+def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -> None:
     """State, nodes, elapsed time, restarts and, while training, step of total, tokens/s, ETA
     and newest checkpoint of runs (one scheduler query for all, shared with this user's other
     hpcrun processes). RUN may be a run id, a sweep id or a unique prefix; without it, every run."""
@@ -25,6 +27,8 @@ def status(site_name: str, run: str | None, wait: bool) -> None:
     from hpcrun.progress import counts_line, duration, live, rate
     from hpcrun.status import statuses
 
+    if timeout is not None and not wait:
+        raise HpcrunError("--timeout only bounds --wait", field="--timeout")
     dirs = run_dirs(site_name, run, many=True)
     if wait:  # following polls the scheduler itself: no query here first
         from hpcrun.cli.submission import follow
@@ -33,7 +37,7 @@ def status(site_name: str, run: str | None, wait: bool) -> None:
         if not submitted:
             click.echo("no runs")
             return
-        follow(submitted)
+        follow(submitted, timeout)
         return
     rows = statuses(dirs)
     if not rows:  # none, or only dry runs

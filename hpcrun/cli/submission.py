@@ -50,26 +50,38 @@ def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
     return str(next(stage.dependency for stage, _ in recipe_file.stages if stage.name == spec.stage))
 
 
-def follow(run_dirs: list[Path]) -> None:
+class WaitTimeout(HpcrunError):
+    """`--wait --timeout` ran out: its own exit status (timeout(1)'s), apart from a failed run's 1."""
+
+    exit_code = 124
+
+
+def follow(run_dirs: list[Path], timeout: float | None = None) -> None:
     """Follow the runs to their end: a live bar per run on a terminal, a plain line now and then
     otherwise, counts for many runs (progress.display); then each run's result, or for many runs
-    where to find them. Ctrl-C stops following, never the jobs."""
+    where to find them. Ctrl-C stops following, never the jobs; so does `timeout` (WaitTimeout)."""
+    from hpcrun import jobstate
     from hpcrun.progress import MANY_RUNS, display
     from hpcrun.status import wait
 
     shown = display(runs=len(run_dirs))
     try:
-        current = wait(run_dirs, on_poll=shown.show)
+        current = wait(run_dirs, timeout=timeout, on_poll=shown.show)
     except KeyboardInterrupt:
         shown.close()
         click.echo(f"\nleft the job running; reattach with: hpcrun status {run_dirs[-1]}", err=True)
         raise SystemExit(130) from None
     shown.close()
+    going = [s for s in current if not s.done]
+    if going:  # wait returns early only at the timeout
+        first = going[0]
+        raise WaitTimeout(f"--timeout {timeout:g} s passed with {len(going)} of {len(current)} runs not ended "
+                          f"({first.run_id}: {first.state}); the jobs go on")
     if len(run_dirs) > MANY_RUNS:
         click.echo(f"{len(run_dirs)} runs ended; their rows: hpcrun results (--sweep for a sweep's)")
     else:
         _print_results(run_dirs)
-    if any(s.state != "COMPLETED" for s in current):
+    if any(jobstate.phase(s.state) is not jobstate.Phase.SUCCEEDED for s in current):
         raise SystemExit(1)
 
 

@@ -63,7 +63,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     row = finish(ctx, status, reason, collective=True)
     if status == "requeued" and env.is_main:
         # before destroy_process_group: a rank that exits badly meanwhile gets rank 0 killed
-        # (--kill-on-bad-exit); then the failure step, seeing `requeued`, requeues instead
+        # (--kill-on-bad-exit); then the failure step, seeing `requeueing`, requeues instead
         requeue_now(env, ctx.run_dir)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -86,7 +86,9 @@ def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     """Requeue this job, unless SLURM is already doing so (preemption requeues by itself, and
     twice would count twice). SLURM holds a requeued job for the site's `AuthInfo=cred_expire`
     (120 s by default) before it may start again: a floor on requeue latency set by the site."""
-    failure.requeue(run_dir, env.job_id)  # env.job_id is hpcrun.slurm.job_id: `<array>_<index>` for array tasks
+    # env.job_id is hpcrun.slurm.job_id: `<array>_<index>` for array tasks. Should SLURM's tool fail,
+    # this rank fails, and the failure step after srun tries again
+    failure.requeue(run_dir, env.job_id, env.restart_count, last_try=False)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
@@ -107,7 +109,10 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
         return {}
     row = result_row(ctx, status, reason, peak)
     job_id, restart = ctx.env.job_id, ctx.env.restart_count
-    attempt = {"status": status, "reason": reason, "job_id": job_id, "restart_count": restart, "step": row["last_step"]}
+    # a requeue is `requeued` in state.json only once SLURM has made it (failure.settle)
+    recorded = failure.REQUEUEING if status == "requeued" else status
+    attempt = {"status": recorded, "reason": reason, "job_id": job_id, "restart_count": restart,
+               "step": row["last_step"]}
     from hpcrun.results import write_attempt
 
     wrote = False

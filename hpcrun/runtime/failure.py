@@ -26,7 +26,7 @@ import signal
 import sys
 import typing as tp
 
-from hpcrun import __version__, slurm
+from hpcrun import __version__, jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json, write_json
@@ -45,6 +45,9 @@ STEP_CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT \S+(?P
 CONSEQUENCE = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused", re.IGNORECASE)
 # state.json keys that describe the run, not one attempt: every writer of state.json keeps them
 RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
+# state.json's status from the decision to requeue until SLURM's answer (settle): then
+# `requeued`, or `stopped` with why not
+REQUEUEING = "requeueing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +185,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
         # decided under state.json's lock, against what is there now
         if (state.get("job_id"), state.get("restart_count")) == (job_id, restart):
-            decided["requeue"] = state.get("status") == "requeued"  # rank 0 said so, then was killed
+            decided["requeue"] = state.get("status") in (REQUEUEING, "requeued")  # rank 0 said so, then was killed
             return None
         previous = state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
         reason = failure.describe()
@@ -192,7 +195,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
             reason += f"; requeue cap reached ({cap} requeues)"
         else:
             decided["requeue"] = True
-            reason += "; requeued"
+            reason += f"; {REQUEUEING}"  # until SLURM has (settle)
         decided["reason"] = reason
         # the row before the state, so whoever reads "failed" finds it (see attempt.finish)
         row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
@@ -202,21 +205,37 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
 
     run_dir.update_state(merge)
     if decided.get("requeue"):
-        requeue(run_dir, job_id)
+        requeue(run_dir, job_id, restart)
     return decided.get("reason")
 
 
-def requeue(run_dir: RunDir | None, job: str) -> None:
-    """Requeue `job`, unless SLURM is already doing so (preemption and NODE_FAIL requeue by
-    themselves, and twice would count twice); then, while it is pending (the only time SLURM
-    accepts it), exclude the nodes this run lost. SLURM holds a requeued job for the site's
-    `AuthInfo=cred_expire` (120 s by default) before it may start again, so the exclusion lands
-    before that. A SLURM tool that fails is one line (HpcrunError)."""
+def requeue(run_dir: RunDir | None, job: str, restart: int, last_try: bool = True) -> None:
+    """Requeue `job` after its attempt `restart`, unless SLURM is already doing so (preemption and
+    NODE_FAIL requeue by themselves, and twice would count twice); then, while it is pending (the
+    only time SLURM accepts it), exclude the nodes this run lost. SLURM holds a requeued job for
+    the site's `AuthInfo=cred_expire` (120 s by default) before it may start again, so the
+    exclusion lands before that. state.json then says what SLURM did (`settle`). A SLURM tool that
+    fails is one line (HpcrunError); unless it was the `last_try`, the attempt stays REQUEUEING for
+    the failure step, which tries again."""
+    try:
+        why_not = _requeue(run_dir, job, restart)
+    except HpcrunError as exc:
+        if last_try:
+            settle(run_dir, job, restart, f"not requeued: {exc.format_message()}")
+        raise
+    settle(run_dir, job, restart, why_not)
+
+
+def _requeue(run_dir: RunDir | None, job: str, restart: int) -> str | None:
+    """None once the job is requeued, else why it is not."""
     shown = slurm.run(["scontrol", "show", "job", job])
     if shown.returncode != 0:
-        raise HpcrunError(f"scontrol show job {job} failed: {one_line(shown)}; not requeued")
-    if "JobState=RUNNING" not in shown.stdout:
-        return
+        raise HpcrunError(f"scontrol show job {job} failed: {one_line(shown)}")
+    fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+    if int(fields.get("Restarts") or 0) > restart:  # SLURM counts a requeue as it makes it
+        return None
+    if fields.get("JobState") != jobstate.RUNNING:  # cancelled, or ended by its batch shell
+        return f"not requeued: the job is {fields.get('JobState') or 'gone'}"
     excluded = (run_dir.state().get("excluded_nodes") or []) if run_dir else []
     # Requeueing sends SIGTERM to every process of the job, this one included: ignored until
     # the exclusion is set (SIGKILL follows only after the cluster's KillWait). Not
@@ -232,6 +251,29 @@ def requeue(run_dir: RunDir | None, job: str) -> None:
                 print(f"[hpcrun] requeued {job}, but could not exclude {','.join(excluded)}: {one_line(update)}", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    return None
+
+
+def settle(run_dir: RunDir | None, job: str, restart: int, why_not: str | None) -> None:
+    """state.json's attempt, recorded as going to be requeued (REQUEUEING, or a failure's reason
+    ending in `; requeueing`), says what SLURM did: requeued, or stopped (resumable) and why not.
+    So state.json never claims a requeue SLURM did not make."""
+    if run_dir is None:
+        return
+
+    def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
+        if (state.get("job_id"), state.get("restart_count")) != (job, restart):
+            return None
+        reason = state.get("reason") or ""
+        if state.get("status") == REQUEUEING:
+            if why_not:
+                return {**state, "status": "stopped", "reason": f"{reason}; {why_not}"}
+            return {**state, "status": "requeued"}
+        if state.get("status") == "failed" and reason.endswith(f"; {REQUEUEING}"):
+            return {**state, "reason": f"{reason.removesuffix(REQUEUEING)}{why_not or 'requeued'}"}
+        return None
+
+    run_dir.update_state(merge)
 
 
 def one_line(out: tp.Any) -> str:
@@ -307,7 +349,7 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
     # the previous attempt's record by its place (one per start, oldest first), not as the
     # next-to-last: slurmdbd may not hold this attempt's own record yet
     starts = sacct_attempts(allocation_id)
-    if len(starts) < restart or starts[restart - 1][0] != "NODE_FAIL":
+    if len(starts) < restart or starts[restart - 1][0] != jobstate.NODE_FAIL:
         return None
     previous = starts[restart - 1][1]
     lost = lost_nodes(previous)

@@ -28,24 +28,38 @@ export MASTER_ADDR="$first_node"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 run_dir=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden
 
-# srun's messages, kept aside for the failure step below; removed however the script ends.
+# srun's messages (and exit status), kept aside for the failure step below; removed however the script ends.
 srun_stderr=$(mktemp)
-trap 'rm -f "$srun_stderr"' EXIT
+trap 'rm -f "$srun_stderr" "$srun_stderr.status"' EXIT
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables).
 # A failed step is recorded once, here, after it: which task ended first (srun's messages,
 # shown as they come and kept aside), the one results row, and the requeue decision
 # (hpcrun.runtime.failure). A pipeline, not `2> >(tee ...)`: bash waits for tee to finish.
 exec 3>&1
-step_status=0
-srun --unbuffered --kill-on-bad-exit=1 \
+# A stop signal to this shell (scancel --batch or --full, a site's --signal=B:..., a wrapper)
+# would end it, and the job as FAILED, by bash's default action: pass it to the ranks instead
+# (scancel --signal without --batch/--full signals the steps only), which save and requeue.
+# bash runs a trap only between commands, so srun runs in the background and is waited for
+# until its subshell is gone (a trapped signal ends `wait` early); the subshell keeps its status.
+trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
+( set +e
+  srun --unbuffered --kill-on-bad-exit=1 \
   --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  /usr/bin/python3 -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee "$srun_stderr" >&2 || step_status=$?
+  /usr/bin/python3 -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee "$srun_stderr" >&2
+  echo "${PIPESTATUS[0]}" >"$srun_stderr.status" ) &
+step=$!
+until wait "$step" || ! kill -0 "$step" 2>/dev/null; do :; done
+step_status=$(cat "$srun_stderr.status" 2>/dev/null || true)
+step_status=${step_status:-1}  # no status: the subshell was killed
+# the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
+trap '' USR2 TERM
 if [ "$step_status" -ne 0 ]; then
   # one task on this node, inside the same container as the ranks: the interpreter named by
   # the site exists there, and so does hpcrun
   srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist="$SLURMD_NODENAME" \
   /usr/bin/python3 -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
-    || echo "[hpcrun] the failed attempt was not recorded nor requeued: its failure step exited $?" >&2
+    || echo "[hpcrun] the failure step exited $? (none starts once SLURM ends or requeues the job)" >&2
 fi
 exit "$step_status"
