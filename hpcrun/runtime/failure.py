@@ -30,6 +30,7 @@ from hpcrun import __version__, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json, write_json
+from hpcrun.runtime import heartbeat
 
 # srun's message when a task ends badly, e.g. "srun: error: node2: task 3: Killed" or
 # "srun: error: node1: tasks 0-1: Exited with exit code 1"
@@ -45,6 +46,8 @@ STEP_CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT \S+(?P
 CONSEQUENCE = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused", re.IGNORECASE)
 # state.json keys that describe the run, not one attempt: every writer of state.json keeps them
 RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
+# a rank's watchdog's word (hpcrun.runtime.watchdog); the writer adds which ranks went silent
+HUNG = "hung (no step progress for fault.hang_timeout_s)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +156,20 @@ def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
     return row
 
 
+def name_silent(run_dir: RunDir, job_id: str, restart: int, failure: Failure, record: dict[str, tp.Any] | None,
+                world_size: int) -> Failure:
+    """A hang (`record`: the rank that saw it first) with the ranks whose process had stopped when
+    it fired, read from their heartbeats here, once for the attempt (hpcrun.runtime.heartbeat),
+    and told on stderr with how long each was silent."""
+    if record is None or failure.what != HUNG:
+        return failure
+    found = heartbeat.silent(run_dir, job_id, restart, world_size, float(record.get("time") or 0), skip=failure.rank)
+    if not found:
+        return failure
+    print(f"[hpcrun] silent ranks: {'; '.join(found)}", file=sys.stderr)
+    return dataclasses.replace(failure, what=f"{HUNG}; silent: {heartbeat.short(found)}")
+
+
 def write_exit_record(run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any]) -> None:
     """A failing rank's word, for the one writer of the attempt's record."""
     import time
@@ -173,8 +190,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     failure = first_failure(srun_stderr, records)
     if failure is None:
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
-    signature = failure.signature(newest_checkpoint(run_dir))
     own = next((r for r in records if r.get("rank") == failure.rank), None)
+    failure = name_silent(run_dir, job_id, restart, failure, own, spec.world_size)
+    signature = failure.signature(newest_checkpoint(run_dir))
     row = {**minimal_row(spec, job_id, restart), **rank_row(own or next(iter(records), None) or {})}
     cap = spec.recipe.checkpoint.max_requeues
     decided: dict[str, tp.Any] = {}
