@@ -1,6 +1,7 @@
 """The hang watchdog: a rank whose main thread makes no step progress is ended with its stacks in
-its log, and the attempt's failure writer names the silent ranks from their heartbeats. On the cluster (tests/test_cluster_faults.py) a SIGSTOPped
-rank ends the attempt (its peers' watchdogs fire) and the job requeues and completes."""
+its log, and the attempt's failure writer names the silent ranks from their heartbeats. On the
+cluster (tests/test_cluster_faults.py) a SIGSTOPped rank ends the attempt (its peers' watchdogs
+fire) and the job requeues and completes."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, step
     replace_whole(path, json.dumps(beat))  # a heartbeat lost to a crash says what a stale one says
 
 
-def silent(run_dir: RunDir, job_id: str, restart: int, world_size: int, at: float, skip: int | None = None) -> list[str]:
+def silent(run_dir: RunDir, job_id: str, restart: int, world_size: int, at: float,
+           skip: int | None = None) -> list[str]:
     """The ranks of an attempt whose process had stopped running at unix time `at` (no heartbeat
     for STALE intervals: SIGSTOPped, dead, or its node gone), each as "rank N on HOST (...)"
     with its last step; `skip` (the rank that saw the hang) is not asked about. A heartbeat that

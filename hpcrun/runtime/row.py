@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import subprocess
 import sys
 import typing as tp
-from pathlib import Path
 
 import torch
 
 from hpcrun import __version__
-from hpcrun.plan import RunSpec
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.metrics import summarise
 
@@ -49,17 +46,10 @@ def result_row(ctx: Context, status: str, reason: str | None, peak: int) -> dict
         "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
         "hpcrun_version": __version__, "torch_version": torch.__version__, "deepspeed_version": ds_version,
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "git_sha": _git_sha(spec), "site_hash": spec.site_hash, "recipe_hash": _hash(recipe.model_dump_json()),
+        "git_sha": spec.git_sha, "site_hash": spec.site_hash, "recipe_hash": _hash(recipe.model_dump_json()),
         "script_hash": _hash(script.read_text()) if script.exists() else None,
         "first_step": ctx.start_step, "last_step": ctx.step if not ctx.stopped else ctx.step + 1,
         "peak_memory_bytes": peak, **measured, "slow_ranks": ctx.recorder.slow_ranks() if ctx.recorder else None,
         "extra": dict(ctx.measured.extra),
     }
 
-
-def _git_sha(spec: RunSpec) -> str | None:
-    """The commit of the user's code (the recipe's directory), when it is a git checkout."""
-    if spec.recipe.job.kind == "benchmark":
-        return None
-    out = subprocess.run(["git", "-C", str(Path(spec.recipe_path).resolve().parent), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or None

@@ -56,9 +56,14 @@ class Pending(tp.NamedTuple):
     extra: dict[str, float]
 
 
+CLOSE_WAIT_S = 60.0  # the end of an attempt waits this long for the last files, then leaves them
+
+
 class Writer:
     """Rank 0's background thread for files: jobs run in order; a failing write is reported on
-    stderr and training goes on (metrics are never worth a lost run)."""
+    stderr and training goes on (metrics are never worth a lost run). A write still hanging
+    CLOSE_WAIT_S after `close` (a stuck shared filesystem) is a warning line, and the attempt
+    ends without it instead of hanging until SLURM kills it."""
 
     def __init__(self) -> None:
         self.jobs: queue.Queue[tp.Callable[[], None] | None] = queue.Queue()
@@ -68,10 +73,13 @@ class Writer:
     def submit(self, job: tp.Callable[[], None]) -> None:
         self.jobs.put(job)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         if self.thread.is_alive():
             self.jobs.put(None)
-            self.thread.join()
+            self.thread.join(wait_s)
+            if self.thread.is_alive():
+                print(f"[hpcrun] per-step metrics writer still busy after {wait_s:.0f} s: its last files may be lost",
+                      file=sys.stderr, flush=True)
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
