@@ -57,7 +57,6 @@ def main() -> None:
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv, cpu_threads
     from hpcrun.runtime.model import GPT, synthetic_batch
     from hpcrun.sizes import SIZES
@@ -73,7 +72,7 @@ def main() -> None:
     size = SIZES[args.model]
     if args.threads:
         ckpt.WRITER_THREADS = args.threads
-    engine = strategies.setup(GPT(size, 128), lambda p: torch.optim.AdamW(p, lr=1e-4), recipe, env)
+    engine = recipe.strategy.build(GPT(size, 128), lambda p: torch.optim.AdamW(p, lr=1e-4), recipe, env, None, None)
     counter = iter(range(10**9))
 
     def train_step() -> float:
