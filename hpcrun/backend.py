@@ -85,7 +85,7 @@ def load_spec(run_dir: Path) -> RunSpec:
     try:
         text = path.read_text()
     except FileNotFoundError as exc:
-        raise HpcrunError("not a run directory (no runspec.json)", run_dir) from exc
+        raise HpcrunError(f"not a run directory (no {path.name})", run_dir) from exc
     except OSError as exc:
         raise CorruptStateError(path, f"unreadable: {exc}") from exc
     try:

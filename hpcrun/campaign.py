@@ -18,7 +18,7 @@ from hpcrun.ledger import Ledger
 from hpcrun.memory import misfit
 from hpcrun.plan import RunSpec, plan_point
 from hpcrun.recipe import RecipeFile
-from hpcrun.rundir import RunDir, sweep_dir
+from hpcrun.rundir import LOGS, RunDir, sweep_dir
 from hpcrun.site import Site
 from hpcrun.status import statuses, wait
 from hpcrun.sweep import describe, expand, point_id, sweep_id
@@ -149,9 +149,9 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
                 spec_text = f"0-{len(chunk) - 1}" + (f"%{limit}" if limit else "")
                 outcome.arrays.append((spec_text, [by_run[s.run_id].label for s in chunk]))
                 if dry_run:
-                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs"))
+                    outcome.scripts.append(render.render_array(chunk, spec_text, root / LOGS))
                     continue
-                jobs = backend.submit_array(chunk, root / "logs", limit)
+                jobs = backend.submit_array(chunk, root / LOGS, limit)
                 for spec, job in zip(chunk, jobs):
                     point = by_run[spec.run_id]
                     outcome.submitted.append((point.label, job))

@@ -81,7 +81,7 @@ def test_cancel_of_a_dry_run_is_one_line(tmp_path: Path) -> None:
 
 # --- checkpoint consolidate --step N for a step that is not there ------------------------------
 def test_consolidate_a_missing_step_is_one_line(tmp_path: Path) -> None:
-    from hpcrun.runtime.checkpoint import MANIFEST, step_dir
+    from hpcrun.rundir import MANIFEST, step_dir
 
     site = site_copy(tmp_path)
     assert cli("submit", "--dry-run", "--site", str(site), "--run-id", "ck", "jobs/quickstart.yaml").exit_code == 0
@@ -257,8 +257,8 @@ def test_an_unreadable_manifest_is_an_error_not_an_older_checkpoint(tmp_path: Pa
     """Only a missing manifest means incomplete. One that cannot be read (here a directory where
     the file should be: EISDIR, as EIO, EACCES or ESTALE would be on a shared filesystem) or
     parsed names the file; it used to be skipped, and resume took step 2 without a word."""
-    from hpcrun.rundir import CorruptStateError
-    from hpcrun.runtime.checkpoint import MANIFEST, complete, latest, step_dir
+    from hpcrun.rundir import MANIFEST, CorruptStateError, step_dir
+    from hpcrun.runtime.checkpoint import complete, latest
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):

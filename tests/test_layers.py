@@ -108,3 +108,35 @@ def test_the_check_sees_cycles_through_lazy_imports(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("import typing as tp\nif tp.TYPE_CHECKING:\n    from pkg.d import X\n")
     (pkg / "d.py").write_text("from . import c\n")
     assert cycles(graph(pkg)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+# the run directory's names that are words of other vocabularies too: a results column (`steps`),
+# a recipe field and a package (`tensorboard`), and DeepSpeed's checkpoint tag (`state`)
+SHARED_WORDS = {"steps", "tensorboard", "state"}
+
+
+def spelled_names(package: Path) -> list[str]:
+    """String constants outside hpcrun.rundir (documentation aside) that spell one of its file or
+    directory names, whole or as the fixed part of an f-string (`f"step-{n:08d}"`)."""
+    import hpcrun.rundir
+
+    owned = {v for k, v in vars(hpcrun.rundir).items() if k.isupper() and isinstance(v, str)} - SHARED_WORDS
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "rundir.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # fields' ones too
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                text = node.value
+                hits = [n for n in owned if text == n or (len(n) > 4 and ("." in n or "-" in n) and n in text)]
+                if hits:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {text!r} ({', '.join(hits)})")
+    return found
+
+
+def test_only_rundir_spells_the_run_directorys_names() -> None:
+    """One owner for each place on disk: the others ask hpcrun.rundir for a path."""
+    found = spelled_names(ROOT / "hpcrun")
+    assert found == [], "file names spelled outside hpcrun.rundir:\n" + "\n".join(found)

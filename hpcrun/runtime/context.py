@@ -152,6 +152,10 @@ class Context:
         self.step_metrics.update(values)
         self.measured.extra.update(values)
 
+    def slow_ranks(self) -> str | None:
+        """The ranks this attempt named slow (rank 0; the results row's `slow_ranks`)."""
+        return self.recorder.slow_ranks() if self.recorder else None
+
     def info(self, message: str) -> None:
         if self.env.is_main or os.environ.get("HPCRUN_LOG_ALL_RANKS"):
             print(f"[hpcrun rank {self.rank}] {message}", flush=True)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from hpcrun.rundir import ENGINE_STATE
 from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
 
@@ -168,10 +169,10 @@ class DeepSpeedEngine:
         return None if norm is None else float(norm)
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag="state")
+        self.engine.save_checkpoint(str(directory), tag=ENGINE_STATE)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag="state")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=ENGINE_STATE)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
 
