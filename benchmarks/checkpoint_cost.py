@@ -56,8 +56,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from hpcrun.recipe import Recipe
+    from hpcrun.rundir import step_dir
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv, cpu_threads
     from hpcrun.runtime.model import GPT, synthetic_batch
     from hpcrun.sizes import SIZES
@@ -75,7 +75,7 @@ def main() -> None:
     size = SIZES[args.model]
     if args.threads:
         ckpt.WRITER_THREADS = args.threads
-    engine = strategies.setup(GPT(size, 128), lambda p: torch.optim.AdamW(p, lr=1e-4), recipe, env)
+    engine = recipe.strategy.build(GPT(size, 128), lambda p: torch.optim.AdamW(p, lr=1e-4), recipe, env, None, None)
     counter = iter(range(10**9))
 
     def train_step() -> float:
@@ -90,7 +90,7 @@ def main() -> None:
     sync = ckpt.Checkpoints(tmp / "sync", env, keep=2, strategy="ddp", asynchronous=False)
     background = ckpt.Checkpoints(tmp / "async", env, keep=2, strategy="ddp", asynchronous=True)
     sync.save(engine, 0, {"step": 0})  # warm-up, and the size every write below matches
-    nbytes = sum(f.stat().st_size for f in ckpt.step_dir(sync.root, 0).rglob("*") if f.is_file())
+    nbytes = sum(f.stat().st_size for f in step_dir(sync.root, 0).rglob("*") if f.is_file())
     # The disk's speed on this VM drifts (300 to 2,200 MiB/s for the same write) and the first
     # large writes of a process run slow: every round measures the disk and each way of saving
     # back to back, each ratio is taken within its round, and the first rounds are not counted.

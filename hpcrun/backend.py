@@ -141,9 +141,15 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
     refused. A refused submission leaves no run directory that looks live: a fresh one is
     removed, and the scheduler's own message is raised."""
     run_dir = RunDir(spec.run_dir)
+    if spec.site.scheduler != "local":
+        try:
+            require_sbatch(spec)
+        except SubmissionError:  # nothing can be sent from here: a fresh run directory goes
+            if not run_dir.jobs():
+                shutil.rmtree(run_dir.path, ignore_errors=True)
+            raise
     with run_dir.submitting():
         if spec.site.scheduler != "local":
-            require_sbatch(spec)
             intent = run_dir.intent()
             waiting = settle([run_dir]).waiting.get(run_dir.path)
             if intent is not None and waiting is not None:
@@ -176,13 +182,17 @@ def _sbatch_or_find(run_dirs: list[RunDir], dependency: str | None = None) -> li
     """Submit the script the first run's intent names and record the job in every run (task `i`
     of an array for the i-th). An answer sbatch lost is looked up by the intent's tag at once:
     found, it is recorded as if sbatch had answered; not found, the intents stay and LostAnswer
-    says so (SubmissionError, exit 1)."""
+    says so (exit 2, like any SLURM tool that did not answer)."""
     intent = run_dirs[0].intent()
     assert intent is not None
     try:
         job = slurm.sbatch(Path(intent["script"]), dependency)
     except slurm.LostAnswer as exc:
-        settled = settle(run_dirs)
+        try:
+            settled = settle(run_dirs)
+        except HpcrunError as lookup:  # the answer is lost, and so is the way to look for it: say both
+            why = f"{exc.message}; its job could not be looked up either ({lookup.message})"
+            raise slurm.LostAnswer(f"{why}: submitting this run again looks it up first", run_dirs[0].path) from exc
         if all(d.path in settled.found for d in run_dirs):
             return [settled.found[d.path] for d in run_dirs]
         raise lost(run_dirs[0], str(intent["tag"]), exc.message, INTENT_GRACE_S) from exc
@@ -232,7 +242,7 @@ def load_spec(run_dir: Path) -> RunSpec:
     try:
         text = path.read_text()
     except FileNotFoundError as exc:
-        raise HpcrunError("not a run directory (no runspec.json)", run_dir) from exc
+        raise HpcrunError(f"not a run directory (no {path.name})", run_dir) from exc
     except OSError as exc:
         raise CorruptStateError(path, f"unreadable: {exc}") from exc
     try:

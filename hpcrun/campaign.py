@@ -21,7 +21,7 @@ from hpcrun.ledger import Ledger
 from hpcrun.memory import misfit
 from hpcrun.plan import RunSpec, plan_point
 from hpcrun.recipe import RecipeFile
-from hpcrun.rundir import RunDir, sweep_dir
+from hpcrun.rundir import LOGS, RunDir, sweep_dir
 from hpcrun.site import Site
 from hpcrun.status import statuses, wait
 from hpcrun.sweep import describe, expand, point_id, sweep_id
@@ -179,7 +179,7 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
                 outcome.arrays.append((spec_text, [by_run[s.run_id].label for s in chunk]))
                 tag = backend.array_tag(chunk)
                 if dry_run:
-                    outcome.scripts.append(render.render_array(chunk, spec_text, root / "logs", tag))
+                    outcome.scripts.append(render.render_array(chunk, spec_text, root / LOGS, tag))
                     continue
                 now = time.time()
                 for spec in chunk:  # the intent, saved before sbatch is called (hpcrun.backend.settle)
@@ -187,7 +187,7 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
                     intent = {"state": "submitting", "tag": tag, "at": now}
                     ledger.record(point.point_id, label=point.label, run_id=spec.run_id, **intent)
                 ledger.save()
-                jobs = backend.submit_array(chunk, root / "logs", limit, tag)
+                jobs = backend.submit_array(chunk, root / LOGS, limit, tag)
                 for spec, job in zip(chunk, jobs):
                     point = by_run[spec.run_id]
                     outcome.submitted.append((point.label, job))

@@ -38,8 +38,9 @@ import typing as tp
 
 import lightning.pytorch as pl
 
+from hpcrun.rundir import LIGHTNING_PARTIAL
+
 HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")  # Lightning's HPC checkpoint names
-PARTIAL = "hpcrun-stop.partial"  # not matching `hpc_ckpt_`: Lightning never picks a partial save
 
 
 def callbacks() -> list[pl.Callback]:
@@ -85,7 +86,7 @@ class HpcrunStop(pl.Callback):
             return
         root = str(trainer.default_root_dir)
         final = os.path.join(root, f"hpc_ckpt_{next_version(root)}.ckpt")  # every rank, before anyone renames
-        partial = os.path.join(root, PARTIAL)
+        partial = os.path.join(root, LIGHTNING_PARTIAL)  # not an `hpc_ckpt_` name: Lightning never picks it
         trainer.save_checkpoint(partial)  # collective; returns after its barrier
         if trainer.is_global_zero:
             os.replace(partial, final)

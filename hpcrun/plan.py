@@ -14,6 +14,7 @@ import pydantic
 from hpcrun.errors import HpcrunError
 from hpcrun.fields import format_minutes
 from hpcrun.loader import Frozen
+from hpcrun.provenance import git_sha
 from hpcrun.recipe import BenchmarkJob, Recipe, RecipeFile
 from hpcrun.rundir import RunDir
 from hpcrun.site import NVMe, Partition, Site
@@ -45,6 +46,9 @@ class RunSpec(Frozen):
     interconnect: str
     site_hash: str
     """A digest of the site profile the run was planned on (results provenance)."""
+    git_sha: str | None = None
+    """The commit of the user's code (the recipe's directory) when planned; None for the built-in
+    benchmark, outside a git checkout, and in runs planned before hpcrun recorded it here."""
     nodes: int
     ranks_per_node: int
     gpus_per_node: int
@@ -166,6 +170,7 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             cluster=site.cluster or site.name,
             interconnect=site.network.interconnect,
             site_hash=hashlib.sha256(site.model_dump_json().encode()).hexdigest()[:16],
+            git_sha=None if isinstance(job, BenchmarkJob) else git_sha(where),
             nodes=res.nodes,
             ranks_per_node=res.gpus_per_node,
             gpus_per_node=res.gpus_per_node if part.gpus_per_node else 0,

@@ -10,7 +10,8 @@ polling tools must not multiply their calls with their users' terminals.
 Also: a controller that answered slowly is asked less often (`SLOW_FACTOR` times its answer's
 duration), and one that failed is not asked again for a growing back-off; meanwhile the last good
 answer serves the jobs it covers. The cache is a cache: a missing or unreadable file is asked
-again, never mistaken for an answer.
+again, never mistaken for an answer, and a lock held past LOCK_WAIT_S (its holder stuck) is a
+warning line and a query of this process's own, never a wait without end.
 
 Where: `$HPCRUN_CACHE_DIR`, else `$XDG_CACHE_HOME/hpcrun`, else `~/.cache/hpcrun`; one file per
 SLURM configuration (`$SLURM_CONF`), so two clusters never share answers.
@@ -22,19 +23,22 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 import typing as tp
 from pathlib import Path
 
-from filelock import FileLock
+import filelock
 
 from hpcrun.errors import HpcrunError
-from hpcrun.rundir import replace_whole
+from hpcrun.rundir import lock, replace_whole
+from hpcrun.slurm import TIMEOUT_S
 
 POLL_S = 2.0  # the default age after which an answer is asked again
 KEEP_S = 600.0  # a job no process asked about for this long leaves the shared query
 SLOW_FACTOR = 5.0  # an answer that took t seconds is not asked again within SLOW_FACTOR * t
 MAX_BACKOFF_S = 300.0  # the longest pause after failed queries (doubling from POLL_S)
+LOCK_WAIT_S = TIMEOUT_S + 15.0  # a holder asks one scheduler tool (at most TIMEOUT_S): one held longer is stuck
 
 
 def cache_dir() -> Path:
@@ -83,16 +87,20 @@ def shared(tool: str, job_ids: list[str], max_age: float, ask: tp.Callable[[list
     when the scheduler fails; that failure is remembered and raised again, without asking, to
     every caller the last good answer does not cover until the back-off has passed."""
     path = cache_file(tool)
+    guard = lock(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(path.with_name(f".{path.name}.lock")))
-        lock.acquire()
+        guard.acquire(timeout=LOCK_WAIT_S)
+    except filelock.Timeout:  # a stuck holder (a stopped process): this one asks alone, not waits for good
+        print(f"[hpcrun] warning: {guard.lock_file} held by another process for {LOCK_WAIT_S:.0f} s; asking unshared",
+              file=sys.stderr)
+        return ask(job_ids)
     except OSError:  # no usable cache directory (read-only home, no locks there): ask, unshared
         return ask(job_ids)
     try:
         return _shared(path, job_ids, max_age, ask)
     finally:
-        lock.release()
+        guard.release()
 
 
 def _shared(path: Path, job_ids: list[str], max_age: float, ask: tp.Callable[[list[str]], str]) -> str:

@@ -16,9 +16,6 @@ from pathlib import Path
 from hpcrun import jobstate
 from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
 
-if tp.TYPE_CHECKING:
-    from hpcrun.status import RunStatus
-
 PLAIN_INTERVAL_S = 30.0  # a log or CI page wants a line now and then, not one per poll
 FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 40
 
@@ -128,6 +125,24 @@ def rate(tokens_per_s: float | None) -> str:
     return f"{tokens_per_s:.0f}"
 
 
+class RunStatus(tp.Protocol):
+    """What the displays read of where a run stands (hpcrun.status.RunStatus is one): a shape,
+    so this module, which hpcrun.status imports for `Progress`, does not import it back."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def progress(self) -> Progress | None: ...
+    @property
+    def done(self) -> bool: ...
+
+
 def live(status: RunStatus) -> bool:
     """Whether the progress speaks for the job now running (not a previous submission's last
     word, nor a finished run whose ETA means nothing)."""
@@ -162,7 +177,7 @@ def line(status: RunStatus, now: float) -> str:
 
 # --wait displays -----------------------------------------------------------------------------
 class Display(tp.Protocol):
-    def show(self, current: list[RunStatus]) -> None: ...
+    def show(self, current: tp.Sequence[RunStatus]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -179,7 +194,7 @@ class PlainLines:
         self.first: dict[str, int] = {}  # the step its progress started from
         self.moved: set[str] = set()  # runs already shown past that step
 
-    def show(self, current: list[RunStatus]) -> None:
+    def show(self, current: tp.Sequence[RunStatus]) -> None:
         now = time.time()
         for status in current:
             run, step = status.run_id, (status.progress.step if status.progress else None)
@@ -219,7 +234,7 @@ class Bars:
             self.bars[run_id] = tqdm(total=None, position=len(self.bars), file=self.out, leave=True, bar_format=self.WAITING, mininterval=0, **size)
         return self.bars[run_id]
 
-    def show(self, current: list[RunStatus]) -> None:
+    def show(self, current: tp.Sequence[RunStatus]) -> None:
         now = time.time()
         for status in current:
             bar, p = self._bar(status.run_id), status.progress
@@ -262,9 +277,9 @@ class Counts:
     def __init__(self, out: tp.TextIO) -> None:
         self.out = out
         self.said, self.when = "", 0.0
-        self.current: list[RunStatus] = []
+        self.current: tp.Sequence[RunStatus] = []
 
-    def show(self, current: list[RunStatus]) -> None:
+    def show(self, current: tp.Sequence[RunStatus]) -> None:
         self.current = current
         text = counts_line(current)
         if text != self.said and (not self.said or time.time() - self.when >= self.GAP_S):
@@ -283,7 +298,7 @@ COUNTED = {jobstate.Phase.SUCCEEDED: "done", jobstate.Phase.FAILED: "failed", jo
            jobstate.Phase.PENDING: "pending", jobstate.Phase.RETURNING: "pending"}
 
 
-def counts_line(current: list[RunStatus]) -> str:
+def counts_line(current: tp.Sequence[RunStatus]) -> str:
     """`done N  running N  pending N  failed N` of runs."""
     counts = dict.fromkeys(("done", "running", "pending", "failed"), 0)
     for r in current:

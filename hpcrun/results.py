@@ -27,8 +27,9 @@ import filelock
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hpcrun import rundir
 from hpcrun.rundir import atomic_path, compact_lock
-from hpcrun.steps import STEPS, load_steps, resolve_dir
+from hpcrun.steps import load_steps, resolve_dir
 from hpcrun.tables import arrow_table, conform
 
 __all__ = ["SCHEMA", "compact", "compact_when_many", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
@@ -56,7 +57,6 @@ SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("ext
 
 
 AUTO_COMPACT_FILES = 256  # small result files beyond which a reader merges them (compact_when_many)
-SET_ASIDE = "unreadable"  # where compaction moves files it cannot read (readers skip it)
 
 
 def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
@@ -70,9 +70,10 @@ def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:
     directory = Path(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
     row = {**row, "attempt_id": row.get("attempt_id") or uuid.uuid4().hex}
-    name = f"{row.get('run_id', 'run')}__{row.get('job_id', 'job')}__{row.get('restart_count', 0)}__{row['attempt_id'][:12]}.parquet"
-    _write_atomic(table([row]), directory / name)
-    return directory / name
+    ids = (row.get("run_id", "run"), row.get("job_id", "job"), row.get("restart_count", 0), row["attempt_id"])
+    path = rundir.attempt_file(directory, *ids)
+    _write_atomic(table([row]), path)
+    return path
 
 
 def compact_when_many(results_dir: str | Path, limit: int = AUTO_COMPACT_FILES) -> None:
@@ -102,7 +103,9 @@ def files(results_dir: str | Path) -> list[Path]:
     directory = Path(results_dir)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.rglob("*.parquet") if not p.name.startswith(".") and p.relative_to(directory).parts[0] not in (STEPS, SET_ASIDE))
+    others = (rundir.RESULTS_STEPS, rundir.UNREADABLE)  # another table; files set aside
+    visible = (p for p in directory.rglob("*.parquet") if not p.name.startswith("."))
+    return sorted(p for p in visible if p.relative_to(directory).parts[0] not in others)
 
 
 class Vanished(Exception):
@@ -229,7 +232,7 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
         if len(merged_paths) <= 1:
             return 0, 0
         merged = _unique(pa.concat_tables(tables))
-        _write_atomic(merged, directory / f"compacted-{uuid.uuid4().hex[:12]}.parquet")
+        _write_atomic(merged, rundir.compacted_file(directory, uuid.uuid4().hex[:12]))
         for path in merged_paths:  # exactly the files whose rows the merged file holds
             try:
                 path.unlink(missing_ok=True)
@@ -259,7 +262,7 @@ def removable(path: Path) -> bool:
 def set_aside(directory: Path, path: Path, why: str) -> Path:
     """Move a file compaction cannot merge into `unreadable/` (readers skip it), under a name
     no other file there has, and say so once. Never deleted: it may be the only copy of rows."""
-    aside = directory / SET_ASIDE
+    aside = rundir.unreadable_dir(directory)
     aside.mkdir(exist_ok=True)
     target = aside / path.name
     while target.exists():

@@ -2,8 +2,9 @@
 directory, and how every state file is written (atomically, durably) and read (a corrupt file is
 an error naming it, never an empty default).
 
-Everything else asks this module for a path; no other module spells a file name. It imports
-nothing of hpcrun's but the error type, so both the login side and the runtime may use it.
+Everything else asks this module for a path; no other module spells a file name (checked by
+tests/test_layers.py). It imports nothing of hpcrun's but the error type, so both the login side
+and the runtime may use it: a run directory's, a checkpoint's and a results directory's names.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ TENSORBOARD = "tensorboard"
 EXITS = "exits"
 LEDGER = "ledger.json"
 SWEEPS = "sweeps"
+LIGHTNING = "lightning"  # a Lightning command job's Trainer root (PL_TRAINER_DEFAULT_ROOT_DIR)
+LIGHTNING_PARTIAL = "hpcrun-stop.partial"  # a stop save being written there (not Lightning's `hpc_ckpt_` name)
+# inside checkpoints/ (hpcrun.runtime.checkpoint)
+STEP = "step-"  # step-NNNNNNNN/: a complete checkpoint
+PARTIAL_STEP = ".tmp-"  # .tmp-step-NNNNNNNN/: one being written, renamed into place when complete
+MANIFEST = "manifest.json"  # written last, inside a step's directory
+ENGINE_STATE = "state"  # the engine's own files (DCP, or DeepSpeed's with ENGINE_STATE as its tag)
+# under a results directory (hpcrun.results, hpcrun.steps)
+RESULTS_STEPS = "steps"  # the per-step dataset, one directory per run
+UNREADABLE = "unreadable"  # result files compaction could not read, set aside (never deleted)
 
 
 class CorruptStateError(HpcrunError):
@@ -193,6 +204,10 @@ class RunDir:
         the script: hpcrun.runtime.reported)."""
         return self.path / "reported" / f"{job_id}-{restart}.jsonl"
 
+    @property
+    def lightning(self) -> Path:
+        return self.path / LIGHTNING
+
     def exit_record(self, job_id: str, restart: int, rank: int) -> Path:
         """What a failing rank knew as it failed (error, step, node, its row so far): read once,
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""
@@ -296,6 +311,68 @@ class RunDir:
     def consolidated(self, step: int) -> Path:
         """`hpcrun checkpoint consolidate`'s one fp32 state dict of checkpoint `step`."""
         return self.path / f"{CONSOLIDATED}-step-{step:08d}.pt"
+
+
+# a run's checkpoints/ ----------------------------------------------------------------------
+def step_dir(checkpoints: Path, step: int) -> Path:
+    """Checkpoint `step`, once complete (a rename makes it visible)."""
+    return checkpoints / f"{STEP}{step:08d}"
+
+
+def partial_step_dir(checkpoints: Path, step: int) -> Path:
+    """Where checkpoint `step` is written until it is complete."""
+    return checkpoints / f"{PARTIAL_STEP}{step_dir(checkpoints, step).name}"
+
+
+def step_dirs(checkpoints: Path) -> dict[int, Path]:
+    """Checkpoint directories by step, by name alone (complete only once their manifest says so)."""
+    found = {}
+    for path in checkpoints.glob(f"{STEP}*"):
+        digits = path.name[len(STEP):]
+        if digits.isdigit() and path.name == step_dir(checkpoints, int(digits)).name:
+            found[int(digits)] = path
+    return found
+
+
+def partial_step_dirs(checkpoints: Path) -> list[Path]:
+    return sorted(checkpoints.glob(f"{PARTIAL_STEP}*"))
+
+
+def manifest(step: Path) -> Path:
+    return step / MANIFEST
+
+
+def engine_state(step: Path) -> Path:
+    return step / ENGINE_STATE
+
+
+def trainer_state(step: Path, rank: int) -> Path:
+    """One rank's trainer state (step, data position, RNG) in checkpoint directory `step`."""
+    return step / f"trainer-rank{rank:05d}.pt"
+
+
+# a results directory -----------------------------------------------------------------------
+def attempt_file(results_dir: Path, run_id: str, job_id: str, restart: int, attempt_id: str) -> Path:
+    """One attempt's results row (hpcrun.results)."""
+    return results_dir / f"{run_id}__{job_id}__{restart}__{attempt_id[:12]}.parquet"
+
+
+def compacted_file(results_dir: Path, token: str) -> Path:
+    """Rows compaction merged from many attempt files."""
+    return results_dir / f"compacted-{token}.parquet"
+
+
+def steps_dir(results_dir: str | Path) -> Path:
+    return Path(results_dir) / RESULTS_STEPS
+
+
+def steps_batch(results_dir: str | Path, run_id: str, job_id: str, restart: int, seq: int) -> Path:
+    """One flush of one attempt's per-step rows (hpcrun.steps): names sort by sequence within an attempt."""
+    return steps_dir(results_dir) / run_id / f"{job_id}-{restart}-{seq:06d}.parquet"
+
+
+def unreadable_dir(results_dir: Path) -> Path:
+    return results_dir / UNREADABLE
 
 
 def sweep_dir(runs_dir: str | Path, sweep_id: str) -> Path:

@@ -100,7 +100,10 @@ UNSURE = ("timed out", "time out", "unable to contact", "zero bytes were transmi
 
 class LostAnswer(SubmissionError):
     """sbatch gave no usable answer (it timed out, died, or printed no job id and no refusal):
-    SLURM may hold the job, so the caller must look it up by its tag before submitting again."""
+    SLURM may hold the job, so the caller must look it up by its tag before submitting again.
+    Exit code 2, like any SLURM tool that did not answer."""
+
+    exit_code = 2
 
 
 def comment(tag: str) -> str:
@@ -109,7 +112,7 @@ def comment(tag: str) -> str:
     return TAG_PREFIX + re.sub(r"[^A-Za-z0-9._:-]", "_", tag)
 
 
-def sbatch(script: Path, dependency: str | None = None, timeout: float = TIMEOUT_S) -> str:
+def sbatch(script: Path, dependency: str | None = None, timeout: float | None = None) -> str:
     """Submit `script` as it is (its #SBATCH lines carry every option); returns the job id. A
     refusal raises SubmissionError with sbatch's own message; an answer that may hide an accepted
     job raises LostAnswer."""

@@ -21,13 +21,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hpcrun.rundir import atomic_path
+from hpcrun.rundir import atomic_path, steps_batch, steps_dir
 from hpcrun.tables import arrow_table, conform
 
 if tp.TYPE_CHECKING:
     import pandas as pd
 
-STEPS = "steps"  # the dataset's directory under a results directory
 STR, INT, FLT, UTC = pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC")
 
 COLUMNS: dict[str, pa.DataType] = {
@@ -53,15 +52,6 @@ def resolve_dir(results_dir: str | Path) -> str | Path:
     return results_dir
 
 
-def steps_dir(results_dir: str | Path) -> Path:
-    return Path(results_dir) / STEPS
-
-
-def batch_path(results_dir: str | Path, run_id: str, job_id: str, restart: int, seq: int) -> Path:
-    """One flush of one attempt: names sort by sequence within an attempt."""
-    return steps_dir(results_dir) / run_id / f"{job_id}-{restart}-{seq:06d}.parquet"
-
-
 def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
     """Rows as an Arrow table of exactly SCHEMA."""
     return arrow_table(rows, SCHEMA, "steps")
@@ -70,7 +60,7 @@ def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
 def write_batch(results_dir: str | Path, rows: list[dict[str, tp.Any]], seq: int) -> Path:
     """One attempt's batch of step rows as one file (temporary name, synced, renamed)."""
     first = rows[0]
-    path = batch_path(results_dir, first["run_id"], first["job_id"], first["restart_count"], seq)
+    path = steps_batch(results_dir, first["run_id"], first["job_id"], first["restart_count"], seq)
     with atomic_path(path) as tmp:
         pq.write_table(table(rows), tmp)
     return path

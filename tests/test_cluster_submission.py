@@ -144,10 +144,10 @@ def test_a_lost_answer_with_no_job_is_not_sent_again_at_once(tmp_path: Path, los
     site = site_copy(tmp_path, "testcluster")
     none = {**losing, "LOSE": "none"}
     out = hpcrun("submit", "--site", str(site), "--run-id", "no-answer", str(recipe(tmp_path, "none")), env=none)
-    assert out.returncode == 1 and "SLURM shows no job with --comment=hpcrun:no-answer yet" in out.stderr, out
+    assert out.returncode == 2 and "SLURM shows no job with --comment=hpcrun:no-answer yet" in out.stderr, out
     run_dir = tmp_path / "runs" / "no-answer"
     assert (run_dir / "submitting.json").exists() and not (run_dir / "jobs.json").exists()
     again = hpcrun("resume", "--site", str(site), "no-answer")
-    assert again.returncode == 1 and "an earlier submission of this run has no recorded answer" in again.stderr, again
+    assert again.returncode == 2 and "an earlier submission of this run has no recorded answer" in again.stderr, again
     assert jobs_tagged("hpcrun:no-answer", began) == set() and submitted(losing) == []
     assert yaml.safe_load((run_dir / "submitting.json").read_text())["tag"] == "no-answer"

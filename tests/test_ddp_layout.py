@@ -32,7 +32,6 @@ def engine(rank: int, reduced: Reduced, step: list[int], strategy: dict[str, tp.
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from hpcrun.recipe import Recipe
-    from hpcrun.runtime.engine import setup
     from hpcrun.runtime.env import DistEnv
     from hpcrun.runtime.model import GPT
     from hpcrun.sizes import SIZES
@@ -42,7 +41,7 @@ def engine(rank: int, reduced: Reduced, step: list[int], strategy: dict[str, tp.
     torch.manual_seed(0)
     model = GPT(SIZES["tiny"], 16)
     names = {id(p): n for n, p in model.named_parameters()}
-    built = setup(model, lambda params: torch.optim.AdamW(params, lr=1e-3), recipe, env)
+    built = recipe.strategy.build(model, lambda params: torch.optim.AdamW(params, lr=1e-3), recipe, env, None, None)
 
     def recording(state, bucket):  # no annotations: DDP rejects the strings `from __future__` makes them
         if bucket.index() == 0:

@@ -63,8 +63,8 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hpcrun.recipe import Recipe
+    from hpcrun.rundir import step_dir
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -73,7 +73,7 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
     try:
         env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost", "t")
         recipe_ = Recipe.model_validate({"name": "k", "strategy": {"name": "ddp"}})
-        engine = strategies.setup(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p), recipe_, env)
+        engine = recipe_.strategy.build(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p), recipe_, env, None, None)
         cps = ckpt.Checkpoints(tmp_path / "checkpoints", env, keep=2, strategy="ddp", asynchronous=asynchronous)
 
         def save(step: int) -> None:
@@ -102,7 +102,7 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
         monkeypatch.setattr(os, "replace", counted(real_replace))
         kills = 0
         for kill_at in range(1, 500):  # DCP's writer threads vary the count: kill until a save survives
-            shutil.rmtree(ckpt.step_dir(cps.root, 2), ignore_errors=True)
+            shutil.rmtree(step_dir(cps.root, 2), ignore_errors=True)
             ops.update(n=0, kill_at=kill_at)
             try:
                 save(2)
@@ -118,7 +118,7 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
             save(3)  # the next save succeeds over the leftovers
             assert ckpt.latest(cps.root)[0] == 3
             assert not list(cps.root.glob(".tmp-*"))
-            shutil.rmtree(ckpt.step_dir(cps.root, 3))
+            shutil.rmtree(step_dir(cps.root, 3))
         assert kills >= 4, kills  # the save really was cut at several points
         assert ckpt.latest(cps.root)[0] == 2
         before = ckpt.state_digest(engine.model.module.state_dict())
@@ -141,7 +141,6 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -153,7 +152,8 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
         torch.manual_seed(0)
 
         def engine():  # type: ignore[no-untyped-def]
-            return strategies.setup(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)), lambda p: torch.optim.AdamW(p, lr=0.1), recipe_, env)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+            return recipe_.strategy.build(model, lambda p: torch.optim.AdamW(p, lr=0.1), recipe_, env, None, None)
 
         def step(e) -> None:  # type: ignore[no-untyped-def]
             e.model(torch.randn(4, 256)).pow(2).mean().backward()
@@ -220,7 +220,6 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path
 
     from hpcrun.recipe import Recipe
     from hpcrun.runtime import checkpoint as ckpt
-    from hpcrun.runtime import engine as strategies
     from hpcrun.runtime.env import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -229,7 +228,7 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path
     try:
         env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost", "t")
         recipe_ = Recipe.model_validate({"name": "c", "strategy": {"name": "ddp"}})
-        engine = strategies.setup(torch.nn.Linear(64, 64), lambda p: torch.optim.AdamW(p), recipe_, env)
+        engine = recipe_.strategy.build(torch.nn.Linear(64, 64), lambda p: torch.optim.AdamW(p), recipe_, env, None, None)
         engine.model(torch.randn(2, 64)).sum().backward()
         engine.optimizer_step()
         started, resume = threading.Event(), threading.Event()

@@ -1,5 +1,7 @@
-"""Layers you can see: no import cycle among hpcrun's modules (function-level imports count,
-`if TYPE_CHECKING:` ones do not: they never run), and nothing below the CLI imports it."""
+"""Layers you can see: no import cycle among hpcrun's modules, and nothing below the CLI imports
+it. Every import is an edge: function-level ones, and `if TYPE_CHECKING:` ones too (they never
+run, but a module that needs another's types to be checked knows it: two modules that know each
+other share a job)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,6 @@ def modules(package: Path) -> dict[str, Path]:
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The hpcrun modules `name` imports anywhere in its body, as their dotted names."""
     tree = ast.parse(path.read_text())
-    typing_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for inner in ast.walk(stmt)
-    }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
     def owner(dotted: str) -> str | None:  # `hpcrun.plan.RunSpec` -> `hpcrun.plan`
@@ -38,8 +33,6 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
     found: set[str | None] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found.update(owner(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -105,8 +98,8 @@ def test_only_the_cli_imports_the_cli() -> None:
 
 
 def test_the_check_sees_cycles_through_lazy_imports(tmp_path: Path) -> None:
-    """The checker itself: a cycle closed by a function-level import is found; one closed only
-    under TYPE_CHECKING is not (it never runs)."""
+    """The checker itself: a cycle closed by a function-level import is found, and so is one
+    closed only under TYPE_CHECKING."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -114,4 +107,36 @@ def test_the_check_sees_cycles_through_lazy_imports(tmp_path: Path) -> None:
     (pkg / "b.py").write_text("def f():\n    from pkg.a import thing\n")
     (pkg / "c.py").write_text("import typing as tp\nif tp.TYPE_CHECKING:\n    from pkg.d import X\n")
     (pkg / "d.py").write_text("from . import c\n")
-    assert cycles(graph(pkg)) == [["pkg.a", "pkg.b"]]
+    assert cycles(graph(pkg)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+# the run directory's names that are words of other vocabularies too: a results column (`steps`),
+# a recipe field and a package (`tensorboard`), and DeepSpeed's checkpoint tag (`state`)
+SHARED_WORDS = {"steps", "tensorboard", "state"}
+
+
+def spelled_names(package: Path) -> list[str]:
+    """String constants outside hpcrun.rundir (documentation aside) that spell one of its file or
+    directory names, whole or as the fixed part of an f-string (`f"step-{n:08d}"`)."""
+    import hpcrun.rundir
+
+    owned = {v for k, v in vars(hpcrun.rundir).items() if k.isupper() and isinstance(v, str)} - SHARED_WORDS
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "rundir.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # fields' ones too
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                text = node.value
+                hits = [n for n in owned if text == n or (len(n) > 4 and ("." in n or "-" in n) and n in text)]
+                if hits:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {text!r} ({', '.join(hits)})")
+    return found
+
+
+def test_only_rundir_spells_the_run_directorys_names() -> None:
+    """One owner for each place on disk: the others ask hpcrun.rundir for a path."""
+    found = spelled_names(ROOT / "hpcrun")
+    assert found == [], "file names spelled outside hpcrun.rundir:\n" + "\n".join(found)

@@ -77,7 +77,7 @@ def dcp_checkpoint(run: RunDir, step: int, state: dict[str, tp.Any]) -> None:
     """A complete single-process DCP checkpoint as Checkpoints writes it (state/ + manifest)."""
     import torch.distributed.checkpoint as dcp
 
-    from hpcrun.runtime.checkpoint import MANIFEST, step_dir
+    from hpcrun.rundir import MANIFEST, step_dir
 
     path = step_dir(run.checkpoints, step)
     dcp.save(state, checkpoint_id=str(path / "state"))

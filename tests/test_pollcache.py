@@ -129,3 +129,30 @@ def test_a_torn_cache_is_asked_again_not_read(tmp_path: Path) -> None:
     pollcache.cache_file("sacct").write_text('{"ids": ["1"], "text": "1|RUN')
     assert pollcache.shared("sacct", ["1"], 60, ask) == "1|RUNNING\n"
     assert len(ask.asked()) == 2
+
+
+def test_a_lock_held_for_good_is_a_warning_not_a_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Another process holds the cache's lock (stopped with it): after LOCK_WAIT_S this one asks
+    alone, with a warning line naming the lock, instead of waiting for it."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(pollcache, "LOCK_WAIT_S", 0.5)
+    path = pollcache.cache_file("sacct")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_file = path.with_name(f".{path.name}.lock")
+    hold = f"import filelock, time; h = filelock.FileLock({str(lock_file)!r}); h.acquire(); print('held', flush=True); "
+    hold += "time.sleep(8)"
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        ask = Scheduler(tmp_path / "asked")
+        began = time.monotonic()
+        assert pollcache.shared("sacct", ["1"], 60, ask) == "1|RUNNING\n"
+        assert time.monotonic() - began < 4
+        assert ask.asked() == [["1"]]
+        assert f"{lock_file} held by another process" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()

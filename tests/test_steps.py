@@ -233,3 +233,21 @@ def test_requeued_run_has_every_step_once(tmp_path: Path) -> None:
     assert df["step"].tolist() == list(range(1, total + 1))
     assert df["loss"].tolist() == losses(run_dir)  # the last attempt's record of the whole lineage
     assert scalars(run_dir / "tensorboard", "loss") == pytest.approx(dict(zip(df["step"], df["loss"])), rel=1e-6)
+
+
+def test_the_writer_ends_its_wait_for_a_stuck_write(capsys: pytest.CaptureFixture[str]) -> None:
+    """A write that hangs (a stuck shared filesystem) holds the attempt's end for the wait given,
+    then is a warning line: the process goes on to exit."""
+    import threading
+    import time
+
+    from hpcrun.runtime.steps import Writer
+
+    stuck = threading.Event()
+    writer = Writer()
+    writer.submit(lambda: stuck.wait(10))
+    began = time.monotonic()
+    writer.close(wait_s=0.5)
+    assert time.monotonic() - began < 5
+    assert "per-step metrics writer still busy after 0 s" in capsys.readouterr().err
+    stuck.set()

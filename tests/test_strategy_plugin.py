@@ -21,10 +21,9 @@ from hpcrun.strategies import REGISTRY, Option, PlanProblem, Strategy, register
 from tests.runs import site_copy
 
 if tp.TYPE_CHECKING:
-    from hpcrun.recipe import Recipe
-    from hpcrun.runtime.engine import Engine, OptimizerFactory
     from hpcrun.runtime.env import DistEnv
     from hpcrun.site import Partition, Site
+    from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
 ALONE = Option("toy", {"name": "toy"}, "none", False, False, order=100)
 
@@ -45,7 +44,7 @@ class Toy(Strategy):
             raise ValueError(f"at most 8 characters (got {value!r})")
         return value
 
-    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
+    def check(self, recipe: Settings, partition: Partition, site: Site) -> None:
         if self.cpu_only and partition.gpus_per_node:
             raise PlanProblem("cpu_only", "the toy strategy runs on CPU partitions only")
 
@@ -63,7 +62,7 @@ class Toy(Strategy):
         self,
         model: tp.Any,
         make_optimizer: OptimizerFactory,
-        recipe: Recipe,
+        recipe: Settings,
         env: DistEnv,
         run_dir: str | None,
         nvme_dir: str | None,

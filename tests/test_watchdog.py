@@ -1,6 +1,7 @@
 """The hang watchdog: a rank whose main thread makes no step progress is ended with its stacks in
-its log and the silent ranks named. On the cluster (tests/test_cluster_faults.py) a SIGSTOPped
-rank ends the attempt (its peers' watchdogs fire) and the job requeues and completes."""
+its log, and the attempt's failure writer names the silent ranks from their heartbeats. On the
+cluster (tests/test_cluster_faults.py) a SIGSTOPped rank ends the attempt (its peers' watchdogs
+fire) and the job requeues and completes."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from hpcrun.rundir import RunDir
+from hpcrun.runtime import failure, heartbeat
 from hpcrun.runtime.watchdog import EXIT_HUNG, FLOOR_S, derived_timeout
 from tests.helpers import ROOT
 
 
 def test_watchdog_ends_a_rank_stuck_in_its_step(tmp_path: Path) -> None:
     """Main thread blocked forever after one step: the watchdog thread dumps every thread's
-    stack (the stuck function included), names rank 1 (never beat) as silent and exits."""
+    stack (the stuck function included), leaves its exit record and exits; it reads no other
+    rank's heartbeat (the failure writer does, once)."""
     code = textwrap.dedent(f"""
         import threading
         from hpcrun.rundir import RunDir
@@ -35,13 +40,65 @@ def test_watchdog_ends_a_rank_stuck_in_its_step(tmp_path: Path) -> None:
     assert out.returncode == EXIT_HUNG, out.stderr
     assert "hung: no step progress for 2 s after step 1" in out.stderr
     assert "stuck_in_a_collective" in out.stderr  # the main thread's stack
-    assert "silent ranks: rank 1 (no heartbeat)" in out.stderr
+    assert "silent" not in out.stderr
     beat = json.loads((tmp_path / "heartbeats" / "7-0-rank0.json").read_text())
     assert beat["step"] == 0
     (record,) = RunDir(tmp_path).exit_records("7", 0)  # what the attempt's one record will say
     said = json.loads(record.read_text())
-    assert said["error"] == "hung (no step progress for fault.hang_timeout_s); silent: rank 1" and said["step"] == 1, said
+    assert said["error"] == failure.HUNG and said["step"] == 1, said
     assert took < 30
+
+
+def hung(tmp_path: Path, world_size: int = 1) -> subprocess.CompletedProcess[str]:
+    """Rank 0 of `world_size`, a 2 s fixed timeout, stuck after its first step."""
+    code = textwrap.dedent(f"""
+        import threading
+        from hpcrun.rundir import RunDir
+        from hpcrun.runtime.watchdog import Watchdog
+        dog = Watchdog(RunDir({str(tmp_path)!r}), "7", 0, 0, {world_size}, timeout_s=2)
+        dog.beat(0, 0.1)
+        threading.Event().wait()
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+
+def test_watchdog_outlives_its_own_errors(tmp_path: Path) -> None:
+    """Neither a heartbeat nor an exit record can be written (their directories are files): each
+    failure is a line on stderr, and the hung rank still ends with EXIT_HUNG."""
+    (tmp_path / "heartbeats").write_text("not a directory")
+    (tmp_path / "exits").write_text("not a directory")
+    out = hung(tmp_path)
+    assert out.returncode == EXIT_HUNG, out.stderr
+    assert "heartbeat not written, watching on" in out.stderr and "hang not recorded" in out.stderr, out.stderr
+
+
+def test_watchdog_ends_a_hung_rank_beside_a_foreign_heartbeat(tmp_path: Path) -> None:
+    """Another rank's heartbeat file is not one (a JSON list): the hung rank still ends."""
+    (tmp_path / "heartbeats").mkdir()
+    (tmp_path / "heartbeats" / "7-0-rank1.json").write_text("[]")
+    out = hung(tmp_path, world_size=2)
+    assert out.returncode == EXIT_HUNG and "hung: no step progress" in out.stderr, out.stderr
+
+
+def test_the_failure_writer_names_the_silent_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Of the ranks beside the one that fired (rank 0): a fresh heartbeat is running, a stale
+    one and a missing one are silent, a foreign one is named with its file; seconds are left
+    out of the reason (the same hang twice reads the same)."""
+    run_dir = RunDir(tmp_path)
+    at = time.time()
+    interval = heartbeat.interval(5)
+    for rank, alive in ((1, at - 1), (2, at - 4 * interval)):
+        beat = {"rank": rank, "host": f"node{rank}", "step": 9, "stepped": alive, "alive": alive}
+        run_dir.heartbeat("7", 0, rank).parent.mkdir(exist_ok=True)
+        run_dir.heartbeat("7", 0, rank).write_text(json.dumps(beat))
+    run_dir.heartbeat("7", 0, 3).write_text("[]")
+    seen = failure.Failure(0, "node0", failure.HUNG, 10)
+    named = failure.name_silent(run_dir, "7", 0, seen, {"rank": 0, "time": at}, world_size=5)
+    assert named.what == f"{failure.HUNG}; silent: rank 2 on node2, rank 3, rank 4", named
+    told = capsys.readouterr().err
+    assert "rank 2 on node2 (not running for 20 s; last step 10)" in told and "7-0-rank3.json" in told, told
+    other = failure.Failure(0, "node0", "RuntimeError: boom", 10)
+    assert failure.name_silent(run_dir, "7", 0, other, {"rank": 0, "time": at}, world_size=5) == other
 
 
 def test_watchdog_quiet_while_steps_progress(tmp_path: Path) -> None:

@@ -30,17 +30,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 
-from hpcrun import __version__
-from hpcrun.rundir import CorruptStateError, RunDir, atomic_path, read_json
+from hpcrun import __version__, rundir
+from hpcrun.rundir import CorruptStateError, RunDir, atomic_path, atomic_write, fsync_dir, read_json
 from hpcrun.runtime.env import DistEnv
 
-MANIFEST = "manifest.json"
-
 WRITER_THREADS = 4  # copy + write against the disk: 2 threads 0.48, 4 threads 0.63, 8 threads 0.29 (RESULTS.md)
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
 
 
 def complete(root: Path) -> list[tuple[int, Path]]:
@@ -49,38 +43,20 @@ def complete(root: Path) -> list[tuple[int, Path]]:
     ESTALE on a shared filesystem) or parsed is a CorruptStateError naming it: taken as absent,
     the run would silently resume from an older checkpoint, or from step 0."""
     found = []
-    if root.is_dir():
-        for path in root.glob("step-*"):
-            manifest = read_json(path / MANIFEST, missing=None)
-            if manifest is None:
-                continue
-            if not isinstance(manifest, dict) or "step" not in manifest:
-                raise CorruptStateError(path / MANIFEST, "not a checkpoint manifest")
-            if manifest.get("complete") and path.name == step_dir(root, int(manifest["step"])).name:
-                found.append((int(manifest["step"]), path))
+    for step, path in rundir.step_dirs(root).items():
+        manifest = read_json(rundir.manifest(path), missing=None)
+        if manifest is None:
+            continue
+        if not isinstance(manifest, dict) or "step" not in manifest:
+            raise CorruptStateError(rundir.manifest(path), "not a checkpoint manifest")
+        if manifest.get("complete") and int(manifest["step"]) == step:
+            found.append((step, path))
     return sorted(found)
 
 
 def latest(root: Path) -> tuple[int, Path] | None:
     found = complete(root)
     return found[-1] if found else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict[str, tp.Any]:
@@ -177,8 +153,8 @@ class Checkpoints:
         training was stalled."""
         start = time.perf_counter()
         self.wait()
-        final = step_dir(self.root, step)
-        tmp = self.root / f".tmp-{final.name}"
+        final = rundir.step_dir(self.root, step)
+        tmp = rundir.partial_step_dir(self.root, step)
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a killed save of the same step
@@ -186,13 +162,13 @@ class Checkpoints:
         self._barrier()
         # this rank's small state first: the engine's write completes after it on every rank
         buffer = _serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
-        _write_file(tmp / f"trainer-rank{self.env.rank:05d}.pt", buffer)
+        atomic_write(rundir.trainer_state(tmp, self.env.rank), buffer)
         pending = _Save(step, tmp, final, start)
         if self.asynchronous and hasattr(engine, "save_async"):
-            pending.future = engine.save_async(tmp / "state", self._writer_group())
+            pending.future = engine.save_async(rundir.engine_state(tmp), self._writer_group())
             pending.future.add_done_callback(lambda _: setattr(pending, "durable_at", time.perf_counter()))
         else:
-            engine.save(tmp / "state")
+            engine.save(rundir.engine_state(tmp))
             self._barrier()
         self._pending = pending
         if block or pending.future is None:
@@ -234,29 +210,28 @@ class Checkpoints:
             "hpcrun": __version__,
             "created": time.time(),
         }
-        _write_file(pending.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        atomic_write(rundir.manifest(pending.tmp), json.dumps(manifest, indent=1))
         if pending.final.exists():  # the same step saved before a requeue: keep the old, equal one
             shutil.rmtree(pending.tmp)
         else:
             os.rename(pending.tmp, pending.final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._prune()
 
     def _prune(self) -> None:
         for _, path in complete(self.root)[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
-        for leftover in self.root.glob(".tmp-*"):
+        for leftover in rundir.partial_step_dirs(self.root):
             shutil.rmtree(leftover, ignore_errors=True)
 
     def load(self, engine: tp.Any, path: Path) -> dict[str, tp.Any]:
         """Restore `engine` and this rank's RNG from `path`; returns the trainer state. At another
         world size (resharding) the RNG of rank 0 is not forced on other ranks: only the model,
         optimizer and step carry over."""
-        engine.load(path / "state")
-        mine = path / f"trainer-rank{self.env.rank:05d}.pt"
-        manifest = json.loads((path / MANIFEST).read_text())
+        engine.load(rundir.engine_state(path))
+        manifest = json.loads(rundir.manifest(path).read_text())
         same_world = manifest["world_size"] == self.env.world_size
-        state = torch.load(mine if same_world else path / "trainer-rank00000.pt", weights_only=True)
+        state = torch.load(rundir.trainer_state(path, self.env.rank if same_world else 0), weights_only=True)
         if same_world:
             set_rng_state(state["rng"])
         return state
@@ -283,19 +258,19 @@ def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
         raise FileNotFoundError(f"{root}: no complete checkpoint")
     chosen = step if step is not None else max(found)
     path = found[chosen]
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = json.loads(rundir.manifest(path).read_text())
     out = run.consolidated(chosen)
     with atomic_path(out) as tmp:
         if manifest["strategy"] == "deepspeed":
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path / "state"), tag="state")
+            state = get_fp32_state_dict_from_zero_checkpoint(str(rundir.engine_state(path)), tag=rundir.ENGINE_STATE)
         else:
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
             # torch's converter writes the whole checkpoint (optimizer too) to one file; the
             # model part then replaces it under the same temporary name
-            dcp_to_torch_save(str(path / "state"), str(tmp))
+            dcp_to_torch_save(str(rundir.engine_state(path)), str(tmp))
             state = torch.load(tmp, weights_only=True)["model"]
         torch.save(state, tmp)
     return out, state_digest(state)

@@ -71,7 +71,7 @@ def run_command(ctx: Context) -> None:
         **os.environ, "HPCRUN_RUN_DIR": str(run_dir.path), "HPCRUN_RUN_ID": ctx.spec.run_id,
         "HPCRUN_CHECKPOINT_DIR": str(ctx.checkpoints.root), "HPCRUN_METRICS": str(reported_path),
     }
-    env.setdefault("PL_TRAINER_DEFAULT_ROOT_DIR", str(run_dir.path / "lightning"))
+    env.setdefault("PL_TRAINER_DEFAULT_ROOT_DIR", str(run_dir.lightning))
     if job.launcher == "torchrun":
         # torchrun SIGKILLs its workers this long after forwarding SIGTERM (30 s unless told):
         # never before hpcrun's own grace ends, or a long save after USR2 would be cut short

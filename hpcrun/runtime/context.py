@@ -21,12 +21,12 @@ from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
 from hpcrun.rundir import RunDir, nvme_job_dir
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import engine as engines
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
 from hpcrun.runtime.steps import StepRecorder
 from hpcrun.runtime.watchdog import Watchdog
 from hpcrun.signals import SignalFlag
+from hpcrun.strategies.contract import Engine, OptimizerFactory
 
 
 class Context:
@@ -60,14 +60,14 @@ class Context:
             return None
         return nvme_job_dir(self.spec.nvme_dir, self.env.allocation_id)
 
-    def setup(self, model: torch.nn.Module, make_optimizer: engines.OptimizerFactory) -> engines.Engine:
+    def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> Engine:
         """Wrap `model` in the recipe's strategy, build the optimizer, and resume from the newest
         complete checkpoint of this run if there is one."""
         found = ckpt.latest(self.checkpoints.root)
         if not found and self.spec.init_weights:  # a stage starting from the previous stage's weights
             model.load_state_dict(torch.load(self.spec.init_weights, map_location="cpu", weights_only=True))
             self.info(f"initialised from {self.spec.init_weights}")
-        self.engine = engines.setup(model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir)
+        self.engine = self.recipe.strategy.build(model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir)
         if found:
             state = self.checkpoints.load(self.engine, found[1])
             self.start_step = int(state["step"])
@@ -151,6 +151,10 @@ class Context:
         values = {k: float(v) for k, v in metrics.items()}
         self.step_metrics.update(values)
         self.measured.extra.update(values)
+
+    def slow_ranks(self) -> str | None:
+        """The ranks this attempt named slow (rank 0; the results row's `slow_ranks`)."""
+        return self.recorder.slow_ranks() if self.recorder else None
 
     def info(self, message: str) -> None:
         if self.env.is_main or os.environ.get("HPCRUN_LOG_ALL_RANKS"):

@@ -1,6 +1,7 @@
 """The engines strategies build (hpcrun.strategies): torch's DDP/FSDP or a DeepSpeed engine
-behind one small interface: a micro-step, an optimizer step, a save/load of the full training
-state into a directory, and the whole model's weights for export."""
+behind one small interface (hpcrun.strategies.contract `Engine`): a micro-step, an optimizer
+step, a save/load of the full training state into a directory, and the whole model's weights
+for export."""
 
 from __future__ import annotations
 
@@ -13,26 +14,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from hpcrun.rundir import ENGINE_STATE
 from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
 
-if tp.TYPE_CHECKING:  # the recipe's strategies build these engines: importing it would be a cycle
-    from hpcrun.recipe import Recipe
-
-OptimizerFactory = tp.Callable[[tp.Iterable[nn.Parameter]], torch.optim.Optimizer]
+if tp.TYPE_CHECKING:  # the shapes strategies and engines agree on; the recipe itself is not known here
+    from hpcrun.strategies.contract import Settings
 
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-
-
-class Engine(tp.Protocol):
-    model: nn.Module
-    optimizer: tp.Any
-
-    def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float: ...
-    def optimizer_step(self) -> None: ...
-    def save(self, directory: Path) -> None: ...
-    def load(self, directory: Path) -> None: ...
-    def full_state(self) -> dict[str, torch.Tensor]: ...
 
 
 def block_classes(model: nn.Module) -> set[type[nn.Module]]:
@@ -43,7 +32,7 @@ def block_classes(model: nn.Module) -> set[type[nn.Module]]:
 class TorchEngine:
     """DDP or FSDP with torch's own optimizer, autocast and (fp16) loss scaling."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe, env: DistEnv, raw: nn.Module,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Settings, env: DistEnv, raw: nn.Module,
                  settle_buckets: bool = False) -> None:
         self.model, self.optimizer, self.recipe, self.env, self.raw = model, optimizer, recipe, env, raw
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
@@ -180,10 +169,10 @@ class DeepSpeedEngine:
         return None if norm is None else float(norm)
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag="state")
+        self.engine.save_checkpoint(str(directory), tag=ENGINE_STATE)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag="state")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=ENGINE_STATE)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
 
@@ -195,9 +184,3 @@ class DeepSpeedEngine:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
-
-def setup(model: nn.Module, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None = None, nvme_dir: str | None = None) -> Engine:
-    """The recipe's strategy applied to `model`, with its optimizer: the engine the loop drives.
-    `run_dir` receives what the engine records of itself (DeepSpeed's effective config);
-    `nvme_dir` is this job's own directory on node-local NVMe."""
-    return tp.cast(Engine, recipe.strategy.build(model, make_optimizer, recipe, env, run_dir, nvme_dir))

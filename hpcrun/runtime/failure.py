@@ -26,10 +26,12 @@ import signal
 import sys
 import typing as tp
 
-from hpcrun import __version__, jobstate, slurm
+from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
-from hpcrun.rundir import RunDir, read_json, write_json
+from hpcrun.rundir import RunDir, read_json, step_dirs, write_json
+from hpcrun.runtime import heartbeat
+from hpcrun.runtime.row import plan_row
 
 # srun's message when a task ends badly, e.g. "srun: error: node2: task 3: Killed" or
 # "srun: error: node1: tasks 0-1: Exited with exit code 1"
@@ -48,6 +50,8 @@ RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
 # state.json's status from the decision to requeue until SLURM's answer (settle): then
 # `requeued`, or `stopped` with why not
 REQUEUEING = "requeueing"
+# a rank's watchdog's word (hpcrun.runtime.watchdog); the writer adds which ranks went silent
+HUNG = "hung (no step progress for fault.hang_timeout_s)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +86,7 @@ def job_ids() -> tuple[str, int]:
 def newest_checkpoint(run_dir: RunDir) -> int | None:
     """The step of the newest checkpoint directory (they become visible only when complete, by
     a rename); None when there is none. Read by name: this process imports no torch."""
-    steps = [int(p.name.partition("-")[2]) for p in run_dir.checkpoints.glob("step-*") if p.name.partition("-")[2].isdigit()]
-    return max(steps, default=None)
+    return max(step_dirs(run_dir.checkpoints), default=None)
 
 
 def step_message(srun_stderr: str) -> str | None:
@@ -132,21 +135,6 @@ def run_long(state: dict[str, tp.Any]) -> dict[str, tp.Any]:
     return {k: state[k] for k in RUN_LONG if k in state}
 
 
-def minimal_row(spec: RunSpec, job_id: str, restart: int) -> dict[str, tp.Any]:
-    """A results row from the plan alone, for an attempt no rank could describe (all killed)."""
-    return {
-        "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
-        "site": spec.site_name, "cluster": spec.cluster, "partition": spec.partition, "nodes": spec.nodes,
-        "gpus_per_node": spec.gpus_per_node, "world_size": spec.world_size, "gpu_model": spec.gpu_model,
-        "interconnect": spec.interconnect, "strategy": spec.strategy.name, **spec.strategy.result_columns(),
-        "precision": spec.recipe.precision, "job_kind": spec.recipe.job.kind, "model": spec.model,
-        "micro_batch": spec.recipe.training.micro_batch, "grad_accum": spec.recipe.training.grad_accum,
-        "seq_len": spec.recipe.training.seq_len, "steps": spec.recipe.training.steps, "seed": spec.recipe.training.seed,
-        "job_id": job_id, "node_list": os.environ.get("SLURM_JOB_NODELIST"), "restart_count": restart,
-        "hpcrun_version": __version__, "site_hash": spec.site_hash,
-    }
-
-
 def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """The row a failing rank wrote into its exit record, with its times as datetimes again."""
     row = dict(record.get("row") or {})
@@ -154,6 +142,20 @@ def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
         if isinstance(row.get(key), str):
             row[key] = dt.datetime.fromisoformat(row[key])
     return row
+
+
+def name_silent(run_dir: RunDir, job_id: str, restart: int, failure: Failure, record: dict[str, tp.Any] | None,
+                world_size: int) -> Failure:
+    """A hang (`record`: the rank that saw it first) with the ranks whose process had stopped when
+    it fired, read from their heartbeats here, once for the attempt (hpcrun.runtime.heartbeat),
+    and told on stderr with how long each was silent."""
+    if record is None or failure.what != HUNG:
+        return failure
+    found = heartbeat.silent(run_dir, job_id, restart, world_size, float(record.get("time") or 0), skip=failure.rank)
+    if not found:
+        return failure
+    print(f"[hpcrun] silent ranks: {'; '.join(found)}", file=sys.stderr)
+    return dataclasses.replace(failure, what=f"{HUNG}; silent: {heartbeat.short(found)}")
 
 
 def write_exit_record(run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any]) -> None:
@@ -176,9 +178,11 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     failure = first_failure(srun_stderr, records)
     if failure is None:
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
-    signature = failure.signature(newest_checkpoint(run_dir))
     own = next((r for r in records if r.get("rank") == failure.rank), None)
-    row = {**minimal_row(spec, job_id, restart), **rank_row(own or next(iter(records), None) or {})}
+    failure = name_silent(run_dir, job_id, restart, failure, own, spec.world_size)
+    signature = failure.signature(newest_checkpoint(run_dir))
+    said = rank_row(own or next(iter(records), None) or {})
+    row = {**plan_row(spec, job_id, restart, os.environ.get("SLURM_JOB_NODELIST")), **said}
     cap = spec.recipe.checkpoint.max_requeues
     decided: dict[str, tp.Any] = {}
 
@@ -364,7 +368,7 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
             return None
         failed = sorted(set(state.get("failed_nodes") or []) | set(lost))
         excluded = exclusions(state, lost, room, spec.nodes)
-        row = {**minimal_row(spec, job_id, restart - 1), "node_list": previous, "status": "failed", "reason": reason,
+        row = {**plan_row(spec, job_id, restart - 1, previous), "status": "failed", "reason": reason,
                "end_time": dt.datetime.now(dt.timezone.utc)}
         write_attempt(spec.results_dir, row)  # the row before the state (see attempt.finish)
         wrote = True

@@ -1,65 +1,99 @@
-"""One attempt's results row: what ran where (from the resolved RunSpec), what it measured,
-and with which software. The schema it fills is declared in hpcrun.results."""
+"""One attempt's results row, built here only: what ran where and with which settings (from the
+resolved RunSpec alone: `plan_row`, also all the failure writer knows of an attempt no rank could
+describe), then what it measured and with which software (`result_row`). The schema it fills is
+declared in hpcrun.results.
+
+Imports no torch until a rank builds its measured row: the failure writer (hpcrun.runtime.failure)
+runs after srun, outside the ranks."""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import subprocess
 import sys
 import typing as tp
-from pathlib import Path
-
-import torch
 
 from hpcrun import __version__
 from hpcrun.plan import RunSpec
-from hpcrun.runtime.context import Context
-from hpcrun.runtime.metrics import summarise
+from hpcrun.rundir import RunDir
+
+if tp.TYPE_CHECKING:
+    from hpcrun.runtime.env import DistEnv
+    from hpcrun.runtime.metrics import Measurements
+
+
+class Attempt(tp.Protocol):
+    """What the row reads of a finished attempt's loop (hpcrun.runtime.context.Context is one):
+    a shape, because the context's modules reach the failure writer, which builds rows here."""
+
+    @property
+    def spec(self) -> RunSpec: ...
+    @property
+    def env(self) -> DistEnv: ...
+    @property
+    def measured(self) -> Measurements: ...
+    @property
+    def started(self) -> dt.datetime: ...
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def stopped(self) -> str | None: ...
+    def slow_ranks(self) -> str | None: ...
 
 
 def _hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def result_row(ctx: Context, status: str, reason: str | None, peak: int) -> dict[str, tp.Any]:
-    spec, recipe = ctx.spec, ctx.recipe
-    t = recipe.training
-    size = spec.size
-    world = spec.world_size  # a torchrun task is a node, not a rank
-    # a command job's batch is the script's own: the recipe's training fields say nothing of it
-    samples = world * t.micro_batch * t.grad_accum if recipe.job.kind != "command" else None
-    measured = summarise(
-        ctx.measured, t.warmup_steps, samples * t.seq_len if size and samples else None, samples, world,
-        size.flops_per_token(t.seq_len) if size else None, spec.peak_tflops,
-    )
-    script = ctx.run_dir.script
-    ds_version = sys.modules["deepspeed"].__version__ if "deepspeed" in sys.modules else None
+def global_batch(spec: RunSpec) -> int | None:
+    """Samples per optimizer step; None for a command job, whose batch is the script's own (the
+    recipe's training fields say nothing of it)."""
+    t = spec.recipe.training
+    return spec.world_size * t.micro_batch * t.grad_accum if spec.recipe.job.kind != "command" else None
+
+
+def plan_row(spec: RunSpec, job_id: str, restart: int, node_list: str | None) -> dict[str, tp.Any]:
+    """The columns the plan decides, and the attempt's ids: every row has them."""
+    recipe, t, size = spec.recipe, spec.recipe.training, spec.size
+    script = RunDir(spec.run_dir).script
     return {
         "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
         "site": spec.site_name, "cluster": spec.cluster, "partition": spec.partition,
-        "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "world_size": world,
+        "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "world_size": spec.world_size,  # not torchrun tasks
         "gpu_model": spec.gpu_model, "interconnect": spec.interconnect,
         "strategy": spec.strategy.name, **spec.strategy.result_columns(),
         "precision": recipe.precision, "job_kind": recipe.job.kind, "model": spec.model,
         "parameters": size.parameters(t.seq_len) if size else None,
-        "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "global_batch": samples,
+        "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "global_batch": global_batch(spec),
         "seq_len": t.seq_len, "steps": t.steps, "seed": t.seed,
-        "job_id": ctx.env.job_id, "node_list": ctx.env.node_list, "restart_count": ctx.env.restart_count,
-        "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
-        "hpcrun_version": __version__, "torch_version": torch.__version__, "deepspeed_version": ds_version,
-        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "git_sha": _git_sha(spec), "site_hash": spec.site_hash, "recipe_hash": _hash(recipe.model_dump_json()),
+        "job_id": job_id, "node_list": node_list, "restart_count": restart,
+        "hpcrun_version": __version__, "git_sha": spec.git_sha, "site_hash": spec.site_hash,
+        "recipe_hash": _hash(recipe.model_dump_json()),
         "script_hash": _hash(script.read_text()) if script.exists() else None,
-        "first_step": ctx.start_step, "last_step": ctx.step if not ctx.stopped else ctx.step + 1,
-        "peak_memory_bytes": peak, **measured, "slow_ranks": ctx.recorder.slow_ranks() if ctx.recorder else None,
-        "extra": dict(ctx.measured.extra),
     }
 
 
-def _git_sha(spec: RunSpec) -> str | None:
-    """The commit of the user's code (the recipe's directory), when it is a git checkout."""
-    if spec.recipe.job.kind == "benchmark":
-        return None
-    out = subprocess.run(["git", "-C", str(Path(spec.recipe_path).resolve().parent), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or None
+def result_row(ctx: Attempt, status: str, reason: str | None, peak: int) -> dict[str, tp.Any]:
+    """A rank's row of its attempt: the plan's columns, what it measured, and its software."""
+    import torch
+
+    from hpcrun.runtime.metrics import summarise
+
+    spec = ctx.spec
+    t = spec.recipe.training
+    samples = global_batch(spec)
+    measured = summarise(
+        ctx.measured, t.warmup_steps, samples * t.seq_len if spec.size and samples else None, samples, spec.world_size,
+        spec.size.flops_per_token(t.seq_len) if spec.size else None, spec.peak_tflops,
+    )
+    ds_version = sys.modules["deepspeed"].__version__ if "deepspeed" in sys.modules else None
+    return {
+        **plan_row(spec, ctx.env.job_id, ctx.env.restart_count, ctx.env.node_list),
+        "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
+        "torch_version": torch.__version__, "deepspeed_version": ds_version,
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "first_step": ctx.start_step, "last_step": ctx.step if not ctx.stopped else ctx.step + 1,
+        "peak_memory_bytes": peak, **measured, "slow_ranks": ctx.slow_ranks(), "extra": dict(ctx.measured.extra),
+    }

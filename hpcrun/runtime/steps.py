@@ -24,17 +24,33 @@ import torch.distributed as dist
 
 from hpcrun import progress
 from hpcrun import steps as dataset
+from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
-from hpcrun.runtime.metrics import peak_memory_bytes
+from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.metrics import Measurements, peak_memory_bytes
 from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, PROBE_EVERY_S, SLOW_SHARE, Stragglers, probe, probe_interval
 
-if tp.TYPE_CHECKING:
-    from hpcrun.runtime.context import Context
+
+class Loop(tp.Protocol):
+    """What the recorder reads of the training loop it records (hpcrun.runtime.context.Context is
+    one): a shape, so the context, which creates the recorder, is not imported back."""
+
+    @property
+    def spec(self) -> RunSpec: ...
+    @property
+    def env(self) -> DistEnv: ...
+    @property
+    def engine(self) -> tp.Any: ...
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def measured(self) -> Measurements: ...
+    def info(self, message: str) -> None: ...
 
 
-def attempt_ids(ctx: Context) -> dict[str, tp.Any]:
+def attempt_ids(ctx: Loop) -> dict[str, tp.Any]:
     """The columns naming the run and attempt a step row belongs to."""
     spec = ctx.spec
     return {
@@ -56,9 +72,14 @@ class Pending(tp.NamedTuple):
     extra: dict[str, float]
 
 
+CLOSE_WAIT_S = 60.0  # the end of an attempt waits this long for the last files, then leaves them
+
+
 class Writer:
     """Rank 0's background thread for files: jobs run in order; a failing write is reported on
-    stderr and training goes on (metrics are never worth a lost run)."""
+    stderr and training goes on (metrics are never worth a lost run). A write still hanging
+    CLOSE_WAIT_S after `close` (a stuck shared filesystem) is a warning line, and the attempt
+    ends without it instead of hanging until SLURM kills it."""
 
     def __init__(self) -> None:
         self.jobs: queue.Queue[tp.Callable[[], None] | None] = queue.Queue()
@@ -68,10 +89,13 @@ class Writer:
     def submit(self, job: tp.Callable[[], None]) -> None:
         self.jobs.put(job)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         if self.thread.is_alive():
             self.jobs.put(None)
-            self.thread.join()
+            self.thread.join(wait_s)
+            if self.thread.is_alive():
+                print(f"[hpcrun] per-step metrics writer still busy after {wait_s:.0f} s: its last files may be lost",
+                      file=sys.stderr, flush=True)
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -85,10 +109,10 @@ class StepRecorder:
     """One attempt's per-step metrics: `record` each step (cheap, local), `flush` when `due`
     (collective), `close` at the end of the attempt."""
 
-    def __init__(self, ctx: Context, total: int) -> None:
+    def __init__(self, ctx: Loop, total: int) -> None:
         self.ctx, self.total = ctx, total
-        spec, training = ctx.spec, ctx.recipe.training
-        self.config = ctx.recipe.metrics
+        spec, training = ctx.spec, ctx.spec.recipe.training
+        self.config = ctx.spec.recipe.metrics
         self.pending: list[Pending] = []
         self.last_flush = time.monotonic()
         self.seq = 0
@@ -96,19 +120,19 @@ class StepRecorder:
         self.spent_s = 0.0  # the training thread's time in `record` and `flush`: this feature's cost
         self.flushes: list[float] = []  # of which each flush's (probes counted in `probes`)
         self.probes = 0
-        samples = ctx.world_size * training.micro_batch * training.grad_accum
+        samples = ctx.env.world_size * training.micro_batch * training.grad_accum
         self.tokens_per_step = samples * training.seq_len if spec.size else None
         self.ids = attempt_ids(ctx)
         self.writer: Writer | None = None
         self.board: tp.Any = None
         # slow ranks (hpcrun.runtime.straggler): every rank probes at each flush, rank 0 judges
-        factor = ctx.recipe.fault.straggler_factor
-        self.probing = bool(factor) and ctx.world_size > 1 and dist.is_initialized()
+        factor = ctx.spec.recipe.fault.straggler_factor
+        self.probing = bool(factor) and ctx.env.world_size > 1 and dist.is_initialized()
         self.last_probe = -math.inf
         self.probe_every = PROBE_EVERY_S  # until the first probe's time is known (probe_interval)
         self.stragglers: Stragglers | None = None
         if self.probing and factor:
-            nodes: list[tp.Any] = [None] * ctx.world_size
+            nodes: list[tp.Any] = [None] * ctx.env.world_size
             dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
             self.stragglers = Stragglers(factor, [str(n) for n in nodes]) if ctx.env.is_main else None
         if ctx.env.is_main:
@@ -131,7 +155,7 @@ class StepRecorder:
         engine = self.ctx.engine
         groups = getattr(getattr(engine, "optimizer", None), "param_groups", None)
         lr = float(groups[0]["lr"]) if groups else None
-        memory = peak_memory_bytes(self.ctx.device) if self.ctx.env.is_main else None
+        memory = peak_memory_bytes(self.ctx.env.device) if self.ctx.env.is_main else None
         self.pending.append(Pending(step, time.time(), seconds, loss, lr, getattr(engine, "grad_norm", None), memory, extra))
         self.spent_s += time.perf_counter() - began
 
@@ -159,13 +183,13 @@ class StepRecorder:
         every = self.config.per_rank_interval
         sampled = [i for i, p in enumerate(batch) if every and p.step % every == 0]
         local = [batch[i].seconds for i in sampled] + [math.nan if p.loss is None else p.loss for p in batch]
-        world = self.ctx.world_size
+        world = self.ctx.env.world_size
         if collective:
-            gathered = self._gather(local + ([probe(self.ctx.device)] if probing else []))
+            gathered = self._gather(local + ([probe(self.ctx.env.device)] if probing else []))
             if probing:
                 self.last_probe, self.probes = time.monotonic(), self.probes + 1
                 gathered, probes = gathered[:, :-1], gathered[:, -1].tolist()
-                self.probe_every = probe_interval(probes, self.ctx.recipe.fault.straggler_probe_share)
+                self.probe_every = probe_interval(probes, self.ctx.spec.recipe.fault.straggler_probe_share)
                 self._judge(probes)
         else:  # a rank alone (leaving on an error): its own times and losses only
             gathered = torch.tensor([local], dtype=torch.float64)
@@ -241,10 +265,10 @@ class StepRecorder:
 
     def _gather(self, local: list[float]) -> torch.Tensor:
         """(world, n): every rank's `local`, on the CPU."""
-        mine = torch.tensor(local, dtype=torch.float64, device=self.ctx.device)
-        if not (dist.is_initialized() and self.ctx.world_size > 1):
+        mine = torch.tensor(local, dtype=torch.float64, device=self.ctx.env.device)
+        if not (dist.is_initialized() and self.ctx.env.world_size > 1):
             return mine.unsqueeze(0).cpu()
-        out = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+        out = [torch.empty_like(mine) for _ in range(self.ctx.env.world_size)]
         dist.all_gather(out, mine)
         return torch.stack(out).cpu()
 
@@ -265,5 +289,5 @@ class StepRecorder:
         else:
             seconds = progress.typical_step_s(r["step_time_s"] for r in rows)
             rate = self.tokens_per_step / seconds if self.tokens_per_step and seconds else None
-        found = ckpt.latest(self.ctx.checkpoints.root)
+        found = ckpt.latest(RunDir(self.ctx.spec.run_dir).checkpoints)
         progress.write(path, step, self.total, loss, rate, seconds, self.ids["job_id"], self.ids["restart_count"], found[0] if found else None)

@@ -14,10 +14,9 @@ import pydantic_core
 from hpcrun.loader import Frozen
 
 if tp.TYPE_CHECKING:  # only for annotations: runtime imports would cycle or pull torch in
-    from hpcrun.recipe import Recipe
-    from hpcrun.runtime.engine import Engine, OptimizerFactory
     from hpcrun.runtime.env import DistEnv
     from hpcrun.site import Partition, Site
+    from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +54,7 @@ class Strategy(Frozen):
     """The strategy's registered name, the `name:` key of a recipe's `strategy:` mapping."""
 
     # plan time (login node) -------------------------------------------------------------
-    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
+    def check(self, recipe: Settings, partition: Partition, site: Site) -> None:
         """Raise PlanProblem when this setting cannot run on `partition` of `site`."""
 
     @classmethod
@@ -81,7 +80,7 @@ class Strategy(Frozen):
         return {"zero_stage": None, "offload_optimizer": "none", "offload_param": "none"}
 
     # in the allocation (imports torch) ----------------------------------------------------
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         """Wrap `model`, build its optimizer: the engine the training loop drives. `run_dir`
         receives what the engine records of itself; `nvme_dir` is this job's own NVMe directory."""
         raise NotImplementedError

@@ -9,10 +9,9 @@ import pydantic
 from hpcrun.strategies.base import Option, PlanProblem, Strategy
 
 if tp.TYPE_CHECKING:
-    from hpcrun.recipe import Recipe
-    from hpcrun.runtime.engine import Engine, OptimizerFactory
     from hpcrun.runtime.env import DistEnv
     from hpcrun.site import Partition, Site
+    from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
 REPLICATED = Option("ddp", {"name": "ddp"}, "none", False, False, order=0)
 
@@ -40,7 +39,7 @@ class DDP(Strategy):
     powersgd_rank: int = pydantic.Field(default=1, ge=1)
     """PowerSGD's matrix approximation rank (with `comm_hook: powersgd`)."""
 
-    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
+    def check(self, recipe: Settings, partition: Partition, site: Site) -> None:
         if not partition.gpus_per_node and self.comm_hook == "bf16":
             raise PlanProblem("comm_hook", "the bf16 compression hook needs NCCL (GPUs); use fp16 or powersgd on a CPU partition")
 
@@ -51,7 +50,7 @@ class DDP(Strategy):
     def memory_option(self) -> Option:
         return REPLICATED
 
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         from torch.nn.parallel import DistributedDataParallel
 
         from hpcrun.runtime.engine import TorchEngine

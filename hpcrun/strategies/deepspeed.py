@@ -14,10 +14,9 @@ from hpcrun.strategies.base import Option, PlanProblem, Strategy
 from hpcrun.strategies.ddp import REPLICATED
 
 if tp.TYPE_CHECKING:
-    from hpcrun.recipe import Recipe
-    from hpcrun.runtime.engine import Engine, OptimizerFactory
     from hpcrun.runtime.env import DistEnv
     from hpcrun.site import Partition, Site
+    from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
 Offload = tp.Literal["none", "cpu", "nvme"]
 
@@ -81,7 +80,7 @@ class DeepSpeed(Strategy):
     def uses_nvme(self) -> bool:
         return "nvme" in (self.offload_optimizer, self.offload_param)
 
-    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
+    def check(self, recipe: Settings, partition: Partition, site: Site) -> None:
         if self.uses_nvme() and site.storage.nvme is None:
             field = "offload_param" if self.offload_param == "nvme" else "offload_optimizer"
             raise PlanProblem(field, f"nvme offload needs storage.nvme in site {site.name!r}, which has none")
@@ -99,7 +98,7 @@ class DeepSpeed(Strategy):
     def result_columns(self) -> dict[str, tp.Any]:
         return {"zero_stage": self.stage, "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param}
 
-    def engine_config(self, recipe: Recipe, nvme_dir: str | None, pin_memory: bool) -> dict[str, tp.Any]:
+    def engine_config(self, recipe: Settings, nvme_dir: str | None, pin_memory: bool) -> dict[str, tp.Any]:
         """The DeepSpeed config the recipe implies, or the user's JSON with the batch fields set
         from the recipe (so the two never disagree)."""
         training = recipe.training
@@ -127,7 +126,7 @@ class DeepSpeed(Strategy):
         config["gradient_accumulation_steps"] = training.grad_accum
         return config
 
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         import deepspeed
         import torch
         import torch.distributed as dist

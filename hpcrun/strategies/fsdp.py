@@ -12,10 +12,9 @@ from hpcrun.strategies.ddp import REPLICATED
 if tp.TYPE_CHECKING:
     from torch import device, nn
 
-    from hpcrun.recipe import Recipe
-    from hpcrun.runtime.engine import Engine, OptimizerFactory
     from hpcrun.runtime.env import DistEnv
     from hpcrun.site import Partition, Site
+    from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
 OPTIONS = {
     "grad_op": Option("fsdp-grad_op", {"name": "fsdp", "sharding": "grad_op"}, "none", True, True, order=3),
@@ -38,7 +37,7 @@ class FSDP(Strategy):
     """Create the built-in model on the meta device; each unit is materialised just before it is
     sharded, so no rank ever holds the whole model (ignored when starting from a previous stage)."""
 
-    def check(self, recipe: Recipe, partition: Partition, site: Site) -> None:
+    def check(self, recipe: Settings, partition: Partition, site: Site) -> None:
         if not partition.gpus_per_node and self.cpu_offload:
             raise PlanProblem("cpu_offload", "FSDP CPU offload moves parameters off a GPU; this partition has none")
 
@@ -56,7 +55,7 @@ class FSDP(Strategy):
         offload = "cpu" if self.cpu_offload else "none"
         return {"zero_stage": None, "offload_optimizer": offload, "offload_param": offload}
 
-    def build(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: Recipe, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
         import torch
         from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
