@@ -3,8 +3,8 @@
 byte; the job's tasks start `python -m hpcrun.launch <run dir>`, which reads the RunSpec.
 
 Inside the job each task's ranks come from srun's variables (runtime/env.py). Submission is
-hpcrun's own because submitit has no public hook for the text of the sbatch script (only private executor methods), and hpcrun's
-promise is that the rendered template is what runs.
+hpcrun's own because submitit has no public hook for the text of the sbatch script (only private
+executor methods), and hpcrun's promise is that the rendered template is what runs.
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ class HpcrunStop(pl.Callback):
         # after Lightning registered its handlers for this fit; its teardown restores the originals
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             self.previous[sig] = signal.signal(sig, self._handle)
-        self.decided_step = self.reported_step = trainer.global_step  # steps done before this fit (a resume) are not new
+        self.decided_step = self.reported_step = (
+            trainer.global_step
+        )  # steps done before this fit (a resume) are not new
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
@@ -76,7 +78,9 @@ class HpcrunStop(pl.Callback):
             signal.signal(sig, handler)
         self.previous = {}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: tp.Any, batch: tp.Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: tp.Any, batch: tp.Any, batch_idx: int
+    ) -> None:
         if trainer.is_global_zero:
             self._report(trainer, outputs)
         if trainer.global_step == self.decided_step:
@@ -92,7 +96,11 @@ class HpcrunStop(pl.Callback):
             os.replace(partial, final)
             if _inside(root, os.environ["HPCRUN_RUN_DIR"]):  # never another run's files, in a root the script shares
                 prune(root)
-            print(f"[hpcrun] {signal.Signals(self.signum).name if self.signum else 'a peer'}'s stop: saved {final} at global step {trainer.global_step}; leaving fit for requeue", flush=True)
+            print(
+                f"[hpcrun] {signal.Signals(self.signum).name if self.signum else 'a peer'}'s stop: saved {final} "
+                f"at global step {trainer.global_step}; leaving fit for requeue",
+                flush=True,
+            )
         raise SystemExit(0)
 
     def _report(self, trainer: pl.Trainer, outputs: tp.Any) -> None:
@@ -115,7 +123,9 @@ def prune(root: str, keep: int = 2) -> None:
     would fill the disk. Lightning resumes from the newest; the one before it stays as the
     fallback should the newest not have reached the disk whole (the save is not fsynced). A
     removal that fails is a line in the log: the stop goes on."""
-    found = sorted(((int(m.group(1)), name) for name in os.listdir(root) if (m := HPC_CHECKPOINT.match(name))), reverse=True)
+    found = sorted(
+        ((int(m.group(1)), name) for name in os.listdir(root) if (m := HPC_CHECKPOINT.match(name))), reverse=True
+    )
     for _, name in found[keep:]:
         path = os.path.join(root, name)
         try:

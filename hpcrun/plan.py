@@ -126,21 +126,29 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
     part_name = res.partition or site.default_partition
     if part_name not in site.partitions:
         raise HpcrunError(
-            f"site {site.name!r} has no partition {part_name!r} (it has: {', '.join(site.partitions)})", where, "resources.partition"
+            f"site {site.name!r} has no partition {part_name!r} (it has: {', '.join(site.partitions)})",
+            where,
+            "resources.partition",
         )
     part = site.partitions[part_name]
     if res.nodes > part.max_nodes:
-        raise HpcrunError(f"must be <= {part.max_nodes}, the most partition {part_name!r} allows (got {res.nodes})", where, "resources.nodes")
+        raise HpcrunError(
+            f"must be <= {part.max_nodes}, the most partition {part_name!r} allows (got {res.nodes})",
+            where,
+            "resources.nodes",
+        )
     kind = "GPUs" if part.gpus_per_node else "CPUs (one process per rank)"
     if res.gpus_per_node > part.max_ranks_per_node:
         raise HpcrunError(
-            f"must be <= {part.max_ranks_per_node}, the {kind} per node of partition {part_name!r} (got {res.gpus_per_node})",
+            f"must be <= {part.max_ranks_per_node}, the {kind} per node of partition {part_name!r} "
+            f"(got {res.gpus_per_node})",
             where,
             "resources.gpus_per_node",
         )
     if res.time > part.max_time:
         raise HpcrunError(
-            f"must be <= {format_minutes(part.max_time)}, the time limit of partition {part_name!r} (got {format_minutes(res.time)})",
+            f"must be <= {format_minutes(part.max_time)}, the time limit of partition {part_name!r} "
+            f"(got {format_minutes(res.time)})",
             where,
             "resources.time",
         )
@@ -192,7 +200,9 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
 def plan_point(site: Site, recipe_file: RecipeFile, sweep_id: str, overrides: dict[str, tp.Any]) -> RunSpec:
     """One sweep point as a run of its own, `<sweep id>.<point id>`."""
     pid = point_id(overrides)
-    return plan(site, recipe_file.point(overrides), recipe_file.path, f"{sweep_id}.{pid}", sweep_id=sweep_id, point_id=pid)
+    return plan(
+        site, recipe_file.point(overrides), recipe_file.path, f"{sweep_id}.{pid}", sweep_id=sweep_id, point_id=pid
+    )
 
 
 def runs_of(site: Site, recipe_file: RecipeFile, run_id: str) -> list[RunSpec]:
@@ -204,9 +214,21 @@ def runs_of(site: Site, recipe_file: RecipeFile, run_id: str) -> list[RunSpec]:
         last = len(recipe_file.stages) - 1
         for i, (stage, recipe) in enumerate(recipe_file.stages):
             if i < last:  # its successor starts from these weights, whatever its strategy
-                recipe = recipe.model_copy(update={"checkpoint": recipe.checkpoint.model_copy(update={"export_final": True})})
+                recipe = recipe.model_copy(
+                    update={"checkpoint": recipe.checkpoint.model_copy(update={"export_final": True})}
+                )
             weights = str(RunDir(specs[-1].run_dir).final_weights) if specs and stage.init_from == "previous" else None
-            specs.append(plan(site, recipe, where, f"{run_id}.{stage.name}", stage=stage.name, init_from=stage.init_from, init_weights=weights))
+            specs.append(
+                plan(
+                    site,
+                    recipe,
+                    where,
+                    f"{run_id}.{stage.name}",
+                    stage=stage.name,
+                    init_from=stage.init_from,
+                    init_weights=weights,
+                )
+            )
         return specs
     if recipe_file.sweep:  # the first point that cannot run fails (`hpcrun sweep` skips it instead)
         return [plan_point(site, recipe_file, run_id, point) for point in expand(recipe_file.sweep)]

@@ -54,7 +54,9 @@ def cluster_key() -> str:
     and this user, so clusters (or users) sharing a home directory never share answers."""
     conf = Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
     try:
-        found = re.search(r"^\s*ClusterName\s*=\s*(\S+)", conf.read_text(errors="replace"), re.MULTILINE | re.IGNORECASE)
+        found = re.search(
+            r"^\s*ClusterName\s*=\s*(\S+)", conf.read_text(errors="replace"), re.MULTILINE | re.IGNORECASE
+        )
     except OSError:
         found = None
     return hashlib.sha256(f"{conf}|{found[1] if found else ''}|{os.getuid()}".encode()).hexdigest()[:12]
@@ -129,7 +131,16 @@ def _shared(path: Path, job_ids: list[str], max_age: float, ask: tp.Callable[[li
     try:
         text = ask(ids)
     except HpcrunError as exc:
-        _save(path, {**cache, "wanted": wanted, "failures": failures + 1, "failed_at": time.time(), "error": exc.format_message()})
+        _save(
+            path,
+            {
+                **cache,
+                "wanted": wanted,
+                "failures": failures + 1,
+                "failed_at": time.time(),
+                "error": exc.format_message(),
+            },
+        )
         raise
     took = time.monotonic() - began
     _save(path, {"ids": ids, "wanted": wanted, "text": text, "asked_at": time.time(), "took_s": took, "failures": 0})

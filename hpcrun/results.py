@@ -32,7 +32,18 @@ from hpcrun.rundir import atomic_path, compact_lock
 from hpcrun.steps import load_steps, resolve_dir
 from hpcrun.tables import arrow_table, conform
 
-__all__ = ["SCHEMA", "compact", "compact_when_many", "files", "load", "load_steps", "read", "resolve_dir", "table", "write_attempt"]
+__all__ = [
+    "SCHEMA",
+    "compact",
+    "compact_when_many",
+    "files",
+    "load",
+    "load_steps",
+    "read",
+    "resolve_dir",
+    "table",
+    "write_attempt",
+]
 
 if tp.TYPE_CHECKING:
     import pandas as pd
@@ -41,17 +52,65 @@ S, I, F, T = pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC")
 
 # name -> type; provenance first, then what the runtime measures.
 COLUMNS: dict[str, pa.DataType] = {
-    "attempt_id": S, "run_id": S, "sweep_id": S, "point_id": S, "stage": S, "site": S, "cluster": S, "partition": S,
-    "nodes": I, "gpus_per_node": I, "world_size": I, "gpu_model": S, "interconnect": S,
-    "strategy": S, "zero_stage": I, "offload_optimizer": S, "offload_param": S, "precision": S,
-    "job_kind": S, "model": S, "parameters": I, "micro_batch": I, "grad_accum": I, "global_batch": I, "seq_len": I, "steps": I, "seed": I,
-    "job_id": S, "node_list": S, "restart_count": I, "start_time": T, "end_time": T, "status": S, "reason": S,
-    "hpcrun_version": S, "torch_version": S, "deepspeed_version": S, "nccl_version": S, "git_sha": S,
-    "site_hash": S, "recipe_hash": S, "script_hash": S,
-    "first_step": I, "last_step": I, "steps_timed": I, "step_time_p50_s": F, "step_time_p95_s": F,
-    "tokens_per_s": F, "tokens_per_s_per_gpu": F, "samples_per_s": F, "tflops_per_gpu": F, "mfu": F,
-    "peak_memory_bytes": I, "final_loss": F, "checkpoint_saves": I, "checkpoint_save_s": F, "checkpoint_stall_s": F,
-    "checkpoint_write_s": F, "slow_ranks": S,
+    "attempt_id": S,
+    "run_id": S,
+    "sweep_id": S,
+    "point_id": S,
+    "stage": S,
+    "site": S,
+    "cluster": S,
+    "partition": S,
+    "nodes": I,
+    "gpus_per_node": I,
+    "world_size": I,
+    "gpu_model": S,
+    "interconnect": S,
+    "strategy": S,
+    "zero_stage": I,
+    "offload_optimizer": S,
+    "offload_param": S,
+    "precision": S,
+    "job_kind": S,
+    "model": S,
+    "parameters": I,
+    "micro_batch": I,
+    "grad_accum": I,
+    "global_batch": I,
+    "seq_len": I,
+    "steps": I,
+    "seed": I,
+    "job_id": S,
+    "node_list": S,
+    "restart_count": I,
+    "start_time": T,
+    "end_time": T,
+    "status": S,
+    "reason": S,
+    "hpcrun_version": S,
+    "torch_version": S,
+    "deepspeed_version": S,
+    "nccl_version": S,
+    "git_sha": S,
+    "site_hash": S,
+    "recipe_hash": S,
+    "script_hash": S,
+    "first_step": I,
+    "last_step": I,
+    "steps_timed": I,
+    "step_time_p50_s": F,
+    "step_time_p95_s": F,
+    "tokens_per_s": F,
+    "tokens_per_s_per_gpu": F,
+    "samples_per_s": F,
+    "tflops_per_gpu": F,
+    "mfu": F,
+    "peak_memory_bytes": I,
+    "final_loss": F,
+    "checkpoint_saves": I,
+    "checkpoint_save_s": F,
+    "checkpoint_stall_s": F,
+    "checkpoint_write_s": F,
+    "slow_ranks": S,
 }
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(S, F))])
 
@@ -176,7 +235,8 @@ def _unique(data: pa.Table) -> pa.Table:
 def load(results_dir: str | Path, **filters: tp.Any) -> pd.DataFrame:
     """All results under `results_dir` (a directory, or a site name: its results directory) as
     a DataFrame with the schema's dtypes. A file that is truncated or not ours is reported
-    (warning) and skipped. Merges the small files first when many have accumulated. `filters` are column=value (or a list of values) equalities.
+    (warning) and skipped. Merges the small files first when many have accumulated. `filters`
+    are column=value (or a list of values) equalities.
     Per-step metrics: `load_steps` (hpcrun.steps)."""
     results_dir = resolve_dir(results_dir)
     compact_when_many(results_dir)

@@ -28,5 +28,7 @@ def conform(data: pa.Table, schema: pa.Schema) -> tuple[pa.Table, bool]:
     `schema` lacks: columns an older version did not write are null, columns a newer one added
     are left out. Raises ValueError (or an ArrowException) for a column of another type."""
     present = set(data.column_names)
-    columns = [data.column(f.name).cast(f.type) if f.name in present else pa.nulls(data.num_rows, f.type) for f in schema]
+    columns = [
+        data.column(f.name).cast(f.type) if f.name in present else pa.nulls(data.num_rows, f.type) for f in schema
+    ]
     return pa.Table.from_arrays(columns, schema=schema), bool(present - set(schema.names))

@@ -31,7 +31,8 @@ def cluster_up() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"sinfo failed: {exc}"
     if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout and "alloc" not in out.stdout:
-        return f"test cluster not up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run tests/cluster/testcluster.sh up"
+        said = out.stdout.strip() or out.stderr.strip()
+        return f"test cluster not up (sinfo: {said}); run tests/cluster/testcluster.sh up"
     return None
 
 
@@ -54,5 +55,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter else []
     if skipped and session.exitstatus == 0:
-        reporter.write_sep("=", f"HPCRUN_REQUIRE_CLUSTER: {len(skipped)} test(s) skipped, which CI counts as failed", red=True)
+        reporter.write_sep(
+            "=", f"HPCRUN_REQUIRE_CLUSTER: {len(skipped)} test(s) skipped, which CI counts as failed", red=True
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

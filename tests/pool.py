@@ -17,7 +17,9 @@ def index() -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     k = int(worker[2:]) if pools > 1 and worker.startswith("gw") else 0
     if k >= pools:
-        raise RuntimeError(f"pytest-xdist worker {worker} has no pool of the test cluster (HPCRUN_CLUSTER_POOLS={pools})")
+        raise RuntimeError(
+            f"pytest-xdist worker {worker} has no pool of the test cluster (HPCRUN_CLUSTER_POOLS={pools})"
+        )
     return k
 
 

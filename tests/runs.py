@@ -51,15 +51,23 @@ def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
 
 
 def recipe(tmp: Path, name: str, **fields: tp.Any) -> Path:
-    data = {"name": name, "job": {"kind": "benchmark", "model": "tiny"}, "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"}}
+    data = {
+        "name": name,
+        "job": {"kind": "benchmark", "model": "tiny"},
+        "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"},
+    }
     data.update(fields)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def hpcrun(*args: str, cwd: Path | None = None, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "hpcrun.cli", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=timeout)
+def hpcrun(
+    *args: str, cwd: Path | None = None, timeout: int = 600, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrun.cli", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=timeout
+    )
     if check and out.returncode != 0:
         raise AssertionError(f"hpcrun {' '.join(args)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
     return out
@@ -117,14 +125,27 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
 
     base = tmp_path_factory.getbasetemp()
     # HPCRUN_TEST_BASELINES: a directory pytest processes running at once share (.ci/run)
-    shared = Path(os.environ.get("HPCRUN_TEST_BASELINES") or (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines")
+    shared = Path(
+        os.environ.get("HPCRUN_TEST_BASELINES")
+        or (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines"
+    )
     shared.mkdir(parents=True, exist_ok=True)
-    fields = {"job": entrypoint_job(str(ROOT), 0.0), **fields, "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"}}
+    fields = {
+        "job": entrypoint_job(str(ROOT), 0.0),
+        **fields,
+        "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"},
+    }
     run_id = f"baseline-{world}-{hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
     with FileLock(shared / f"{run_id}.lock"):
         run_dir = shared / "runs" / run_id
         if not run_dir.exists():
-            partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": 4, "memory_gb": 16, "max_time": "1-00:00:00"}
+            partition = {
+                "max_nodes": 1,
+                "gpus_per_node": 0,
+                "cpus_per_node": 4,
+                "memory_gb": 16,
+                "max_time": "1-00:00:00",
+            }
             local = site_copy(shared, partitions={"local": partition})
             hpcrun("submit", "--site", str(local), "--run-id", run_id, str(recipe(shared, run_id, **fields)))
     return run_dir

@@ -60,7 +60,12 @@ def test_test_only_rejects_an_impossible_script(tmp_path: Path) -> None:
 
 def test_two_node_job_over_the_site_interface(shared: Path) -> None:
     site = site_copy(shared, "testcluster")
-    rec = recipe(shared, "twonode", resources={"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}, training={"steps": 6, "lr": 0.003})
+    rec = recipe(
+        shared,
+        "twonode",
+        resources={"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"},
+        training={"steps": 6, "lr": 0.003},
+    )
     out = hpcrun("submit", "--site", str(site), "--wait", str(rec))
     run_dir = run_dir_of(out)
     assert state(run_dir)["status"] == "completed"
@@ -68,7 +73,9 @@ def test_two_node_job_over_the_site_interface(shared: Path) -> None:
     assert row["world_size"] == 4 and row["nodes"] == 2 and row["node_list"] == pool.node_list()
     # the script SLURM holds for the job is byte for byte what `render` prints for this run id
     job = state(run_dir)["job_id"]
-    held = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True, check=True).stdout
+    held = subprocess.run(
+        ["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True, check=True
+    ).stdout
     assert held == hpcrun("render", "--site", str(site), "--run-id", run_dir.name, str(rec)).stdout
     status = hpcrun("status", "--site", str(site), run_dir.name)
     assert "COMPLETED" in status.stdout and pool.node_list() in status.stdout and "(from sacct)" in status.stderr
@@ -84,7 +91,9 @@ def test_wrong_interface_is_what_breaks(shared: Path) -> None:
     data = yaml.safe_load(site.read_text())
     data["network"]["interface"] = "eth7"
     site.write_text(yaml.safe_dump(data))
-    rec = recipe(shared, "wrongif", resources={"nodes": 2, "gpus_per_node": 1, "time": "00:05:00"}, training={"steps": 2})
+    rec = recipe(
+        shared, "wrongif", resources={"nodes": 2, "gpus_per_node": 1, "time": "00:05:00"}, training={"steps": 2}
+    )
     out = hpcrun("submit", "--site", str(site), "--wait", str(rec), check=False)
     assert out.returncode == 1
     run_dir = run_dir_of(out)
@@ -124,12 +133,22 @@ def test_zero_infinity_across_two_nodes(shared: Path) -> None:
     from tests.runs import STRATEGIES, losses
 
     nvme = shared / "nvme"
-    site = site_copy(shared, "testcluster", storage={
-        "runs_dir": str(shared / "runs"), "results_dir": str(shared / "results"), "nvme": {"path": str(nvme), "size_gb": 5},
-    })
+    site = site_copy(
+        shared,
+        "testcluster",
+        storage={
+            "runs_dir": str(shared / "runs"),
+            "results_dir": str(shared / "results"),
+            "nvme": {"path": str(nvme), "size_gb": 5},
+        },
+    )
     rec = recipe(
-        shared, "infinity", resources={"nodes": 2, "gpus_per_node": 1, "time": "00:15:00"},
-        strategy=STRATEGIES["zero3-nvme-offload"], training={"steps": 30, "lr": 0.003, "seq_len": 64}, checkpoint={"interval": 15},
+        shared,
+        "infinity",
+        resources={"nodes": 2, "gpus_per_node": 1, "time": "00:15:00"},
+        strategy=STRATEGIES["zero3-nvme-offload"],
+        training={"steps": 30, "lr": 0.003, "seq_len": 64},
+        checkpoint={"interval": 15},
     )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     swapping: set[str] = set()  # rank folders seen under the job's NVMe directory while it ran

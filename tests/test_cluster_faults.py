@@ -1,7 +1,8 @@
 """Real failures on the SLURM test cluster: a SIGKILLed rank, a SIGSTOPped (hung) rank, a job
-that crashes at the same step every time (a lost node: tests/test_cluster_lost_node.py). Each job lasts a bounded time (a pause per
-step), each test says what one record of the failed attempt must hold, and each run that
-completes ends with the weights (sha256) of the same training never interrupted."""
+that crashes at the same step every time (a lost node: tests/test_cluster_lost_node.py). Each job
+lasts a bounded time (a pause per step), each test says what one record of the failed attempt must
+hold, and each run that completes ends with the weights (sha256) of the same training never
+interrupted."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """The uninterrupted runs at world size 4 (these tests') and 2 (tests/test_cluster_requeue.py's
     time-limit test's and tests/test_cluster_lost_node.py's; tests.runs.local_baseline: each runs
     once, shared), training while the cluster jobs fail and requeue."""
-    return {world: local_baseline(tmp_path_factory, world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)}
+    return {
+        world: local_baseline(tmp_path_factory, world, training=TRAINING, checkpoint=CHECKPOINT) for world in (4, 2)
+    }
 
 
 def weights_of(baselines: dict[int, Path], world: int) -> str:
@@ -49,12 +52,18 @@ def records(job: str) -> list[str]:
 def wait_done(run_dir: Path, timeout: float) -> dict[str, tp.Any]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (run_dir / "state.json").exists() and state(run_dir).get("status") in ("completed", "failed") and not (state(run_dir).get("reason") or "").endswith("; requeued"):
+        if (
+            (run_dir / "state.json").exists()
+            and state(run_dir).get("status") in ("completed", "failed")
+            and not (state(run_dir).get("reason") or "").endswith("; requeued")
+        ):
             job = state(run_dir)["job_id"]
             if records(job) and records(job)[-1] in ("COMPLETED", "FAILED"):
                 return state(run_dir)
         time.sleep(1)
-    raise AssertionError(f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}")
+    raise AssertionError(
+        f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}"
+    )
 
 
 def wait_checkpoint(run_dir: Path, timeout: float = 240) -> None:
@@ -116,7 +125,11 @@ def test_sigstopped_rank_ends_the_attempt_and_the_job_completes(tmp_path: Path, 
     assert logs.count("hung: no step progress for 60 s") >= 2, logs[-3000:]  # every rank that can run
     assert "Thread" in logs and "silent ranks: rank 3 on" in logs, logs[-3000:]
     failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
-    assert len(failed) == 1 and "hung (no step progress" in failed[0]["reason"] and "silent: rank 3 on" in failed[0]["reason"], failed
+    assert (
+        len(failed) == 1
+        and "hung (no step progress" in failed[0]["reason"]
+        and "silent: rank 3 on" in failed[0]["reason"]
+    ), failed
     final = wait_done(run_dir, timeout=400)
     assert final["status"] == "completed", final
     assert (run_dir / "weights.sha256").read_text() == weights_of(baselines, 4)
@@ -136,6 +149,8 @@ def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
     assert "RuntimeError: deliberate bug at step 7" in final["reason"] and "rank 1" in final["reason"], final["reason"]
     assert records(job) == ["REQUEUED", "FAILED"], records(job)
     table = rows(tmp_path, run_dir)
-    assert sorted(table.restart_count) == [0, 1] and set(table.status) == {"failed"}, table[["restart_count", "status", "reason"]]
+    assert sorted(table.restart_count) == [0, 1] and set(table.status) == {"failed"}, table[
+        ["restart_count", "status", "reason"]
+    ]
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     assert "same failure" in shown, shown

@@ -21,7 +21,9 @@ def wait_all(run_dirs: list[Path], timeout: float = 600) -> None:
         if all(status(d) in ("completed", "failed") for d in run_dirs):
             return
         time.sleep(2)
-    raise AssertionError("sweep did not finish: " + ", ".join(f"{d.name}={(d / 'state.json').exists()}" for d in run_dirs))
+    raise AssertionError(
+        "sweep did not finish: " + ", ".join(f"{d.name}={(d / 'state.json').exists()}" for d in run_dirs)
+    )
 
 
 def test_sweep_runs_as_throttled_arrays_and_is_idempotent(tmp_path: Path) -> None:
@@ -48,7 +50,17 @@ def test_sweep_runs_as_throttled_arrays_and_is_idempotent(tmp_path: Path) -> Non
     assert all(state(d)["status"] == "completed" for d in run_dirs)
     again = hpcrun("sweep", "--site", str(site), str(recipe)).stdout
     assert "submitted 0 point(s); 4 already submitted" in again
-    table = hpcrun("results", "--dir", str(tmp_path / "results"), "--sweep", sweep_dir.name, "--compare", "strategy,nodes", "--format", "csv").stdout
+    table = hpcrun(
+        "results",
+        "--dir",
+        str(tmp_path / "results"),
+        "--sweep",
+        sweep_dir.name,
+        "--compare",
+        "strategy,nodes",
+        "--format",
+        "csv",
+    ).stdout
     assert len(table.strip().splitlines()) == 5 and "scaling_efficiency" in table.splitlines()[0]
     status = hpcrun("status", "--site", str(site), sweep_dir.name).stdout
     assert "done 4  running 0  pending 0  failed 0" in status

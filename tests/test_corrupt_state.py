@@ -52,7 +52,15 @@ def layout(site: Path, recipe: Path) -> tuple[Path, list[tuple[str, RunDir]]]:
 @pytest.fixture
 def fake_env(tmp_path: Path) -> dict[str, str]:
     bindir = tmp_path / "bin"
-    fake_tools(bindir, sbatch=FAKE_SBATCH, srun="exit 0", scontrol='echo "MaxArraySize            = 1001"', sacctmgr="exit 0", squeue="exit 0", sacct="exit 0")
+    fake_tools(
+        bindir,
+        sbatch=FAKE_SBATCH,
+        srun="exit 0",
+        scontrol='echo "MaxArraySize            = 1001"',
+        sacctmgr="exit 0",
+        squeue="exit 0",
+        sacct="exit 0",
+    )
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
 
 
@@ -107,7 +115,12 @@ def cluster_jobs(name: str) -> int:
     """Jobs of this name the cluster knows: sacct (every state) and squeue (in case accounting
     has not caught up with a submission yet)."""
     time.sleep(3)
-    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-S", "2020-01-01", "--name", name, "-o", "JobID"], capture_output=True, text=True, check=True)
+    acct = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-S", "2020-01-01", "--name", name, "-o", "JobID"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     queue = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, check=True)
     return max(len(acct.stdout.split()), len(queue.stdout.split()))
 
@@ -145,7 +158,9 @@ def test_corrupt_jobs_file_on_the_cluster(cluster_sweep: tuple[Path, Path, str])
     directory, runnable = layout(site, recipe)
     (recorded, broken), _ = runnable
     directory.mkdir(parents=True)
-    (directory / "ledger.json").write_text(json.dumps({"points": {recorded: {"job_id": "999999", "run_id": broken.name, "state": "submitted"}}}))
+    (directory / "ledger.json").write_text(
+        json.dumps({"points": {recorded: {"job_id": "999999", "run_id": broken.name, "state": "submitted"}}})
+    )
     broken.path.mkdir(parents=True)
     broken.jobs_file.write_text('[{"job_id": "999999", "sched')
     before = cluster_jobs(name)

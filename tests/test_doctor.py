@@ -32,7 +32,9 @@ def test_doctor_on_the_cluster(tmp_path: Path) -> None:
     lines = out.stdout.splitlines()
     assert any(ln.startswith(f"ok    partition {pool.partition('batch')}: 2 nodes, 2 CPUs") for ln in lines), out.stdout
     assert any(ln.startswith("ok    sbatch --test-only") for ln in lines)
-    assert any(ln.startswith(f"ok    ranks: 4 ranks on {', '.join(pool.nodes())} over hpc0") for ln in lines), out.stdout
+    assert any(ln.startswith(f"ok    ranks: 4 ranks on {', '.join(pool.nodes())} over hpc0") for ln in lines), (
+        out.stdout
+    )
     assert any("warn  bandwidth: no nominal figure" in ln for ln in lines)
 
 
@@ -57,4 +59,7 @@ def test_doctor_catches_a_wrong_partition_size(tmp_path: Path) -> None:
     site.write_text(yaml.safe_dump(data))
     out = hpcrun("doctor", "--site", str(site), "--login-only", check=False)
     assert out.returncode == 1
-    assert f"fail  partition {batch}: cpus_per_node 64 but nodes have 2 -> set partitions.{batch}.cpus_per_node: 2" in out.stdout
+    assert (
+        f"fail  partition {batch}: cpus_per_node 64 but nodes have 2 -> set partitions.{batch}.cpus_per_node: 2"
+        in out.stdout
+    )

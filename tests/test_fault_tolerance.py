@@ -88,7 +88,11 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
 
         def counted(fn):  # type: ignore[no-untyped-def]
             def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-                writing = fn is not real_open or (len(args) > 1 and any(c in str(args[1]) for c in "wax")) or any(c in str(kwargs.get("mode", "")) for c in "wax")
+                writing = (
+                    fn is not real_open
+                    or (len(args) > 1 and any(c in str(args[1]) for c in "wax"))
+                    or any(c in str(kwargs.get("mode", "")) for c in "wax")
+                )
                 if writing:
                     ops["n"] += 1
                     if ops["n"] == ops["kill_at"]:
@@ -205,7 +209,9 @@ def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.Mo
         dist.destroy_process_group()
 
 
-def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_asynchronous_saves_keep_the_crc32_and_the_process_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every tensor record an asynchronous save writes carries torch.save's CRC32 (a load can
     tell a damaged record; the records lost it when the writer switched the option off around its
     write), and a torch.save on the main thread while a writer thread is in the middle of its
@@ -228,7 +234,9 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path
     try:
         env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "t", "localhost", "t")
         recipe_ = Recipe.model_validate({"name": "c", "strategy": {"name": "ddp"}})
-        engine = recipe_.strategy.build(torch.nn.Linear(64, 64), lambda p: torch.optim.AdamW(p), recipe_, env, None, None)
+        engine = recipe_.strategy.build(
+            torch.nn.Linear(64, 64), lambda p: torch.optim.AdamW(p), recipe_, env, None, None
+        )
         engine.model(torch.randn(2, 64)).sum().backward()
         engine.optimizer_step()
         started, resume = threading.Event(), threading.Event()
@@ -236,7 +244,12 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path
 
         def paused_open(file, mode="r", *args, **kwargs):  # type: ignore[no-untyped-def]
             # the first data file a writer thread opens: hold that thread there, mid-write
-            if str(file).endswith(".distcp") and "w" in mode and threading.current_thread() is not threading.main_thread() and not started.is_set():
+            if (
+                str(file).endswith(".distcp")
+                and "w" in mode
+                and threading.current_thread() is not threading.main_thread()
+                and not started.is_set()
+            ):
                 started.set()
                 assert resume.wait(60)
             return real_open(file, mode, *args, **kwargs)
@@ -256,7 +269,9 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(tmp_path: Path
         assert zipfile.ZipFile(main_saved).testzip() is None
         state_dir = ckpt.latest(cps.root)[1] / "state"
         metadata = FileSystemReader(str(state_dir)).read_metadata()
-        tensors = {name for name, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        tensors = {
+            name for name, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
+        }
         records = [(index, info) for index, info in metadata.storage_data.items() if index.fqn in tensors]
         assert len(records) >= 4  # weight, bias and their Adam moments
         for index, info in records:
@@ -299,9 +314,23 @@ def test_checkpoint_loads_at_another_world_size(name: str, tmp_path: Path) -> No
     """A 2-rank checkpoint resumed by 1 rank (same global batch) continues the same curve."""
     site = site_copy(tmp_path)
     training = {"steps": 6, "lr": 0.003, "micro_batch": 4}
-    two = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(recipe(tmp_path, f"{name}-2", strategy=STRATEGIES[name], training=training, checkpoint={"interval": 3}))))
+    two = run_dir_of(
+        hpcrun(
+            "submit",
+            "--site",
+            str(site),
+            "--wait",
+            str(
+                recipe(tmp_path, f"{name}-2", strategy=STRATEGIES[name], training=training, checkpoint={"interval": 3})
+            ),
+        )
+    )
     one_rec = recipe(
-        tmp_path, f"{name}-1", strategy=STRATEGIES[name], training={**training, "micro_batch": 8}, checkpoint={"interval": 3},
+        tmp_path,
+        f"{name}-1",
+        strategy=STRATEGIES[name],
+        training={**training, "micro_batch": 8},
+        checkpoint={"interval": 3},
         resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
     )
     hpcrun("submit", "--site", str(site), "--dry-run", "--run-id", "resharded", str(one_rec))
@@ -318,7 +347,13 @@ def test_checkpoint_loads_at_another_world_size(name: str, tmp_path: Path) -> No
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
 def test_consolidate(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)
-    rec = recipe(tmp_path, name, strategy=STRATEGIES[name], training={"steps": 4}, checkpoint={"interval": 4, "export_final": True})
+    rec = recipe(
+        tmp_path,
+        name,
+        strategy=STRATEGIES[name],
+        training={"steps": 4},
+        checkpoint={"interval": 4, "export_final": True},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     out = hpcrun("checkpoint", "consolidate", "--site", str(site), run_dir.name)
     assert out.stdout.split()[-1] == weights(run_dir)  # the same weights the job ended with

@@ -93,7 +93,13 @@ def test_no_import_cycles() -> None:
 
 def test_only_the_cli_imports_the_cli() -> None:
     edges = graph(ROOT / "hpcrun")
-    upward = sorted(f"{m} -> {d}" for m, deps in edges.items() if not m.startswith("hpcrun.cli") and m != "hpcrun.__main__" for d in deps if d.startswith("hpcrun.cli"))
+    upward = sorted(
+        f"{m} -> {d}"
+        for m, deps in edges.items()
+        if not m.startswith("hpcrun.cli") and m != "hpcrun.__main__"
+        for d in deps
+        if d.startswith("hpcrun.cli")
+    )
     assert upward == []
 
 

@@ -25,7 +25,14 @@ finally:
     [
         ["render", "--site", "mycluster", "jobs/quickstart.yaml"],
         ["render", "--site", "local", "jobs/zero-infinity.yaml"],
-        ["validate", "--site", "testcluster", "jobs/quickstart.yaml", "jobs/gpt-strategies.yaml", "sites/mycluster.yaml"],
+        [
+            "validate",
+            "--site",
+            "testcluster",
+            "jobs/quickstart.yaml",
+            "jobs/gpt-strategies.yaml",
+            "sites/mycluster.yaml",
+        ],
         ["sites"],
         ["submit", "--dry-run", "--site", "testcluster", "jobs/quickstart.yaml"],
         ["status"],

@@ -42,7 +42,9 @@ def still_running(proc: subprocess.Popen[bytes]) -> bool:
     return False
 
 
-def test_cancel_leaves_a_process_that_reused_the_pid_alone(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+def test_cancel_leaves_a_process_that_reused_the_pid_alone(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
     """The recorded pid now belongs to an unrelated process, or to another run's controller."""
     stranger = subprocess.Popen(["sleep", "120"])
     other = subprocess.Popen([sys.executable, "-c", SLEEP, "-m", "hpcrun.localjob", str(tmp_path / "other")])

@@ -12,8 +12,21 @@ from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, sit
 pytestmark = pytest.mark.slow
 
 MEASURED = [
-    "tokens_per_s", "tokens_per_s_per_gpu", "samples_per_s", "step_time_p50_s", "step_time_p95_s", "peak_memory_bytes",
-    "parameters", "tflops_per_gpu", "mfu", "final_loss", "checkpoint_save_s", "checkpoint_stall_s", "checkpoint_write_s", "start_time", "end_time",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "samples_per_s",
+    "step_time_p50_s",
+    "step_time_p95_s",
+    "peak_memory_bytes",
+    "parameters",
+    "tflops_per_gpu",
+    "mfu",
+    "final_loss",
+    "checkpoint_save_s",
+    "checkpoint_stall_s",
+    "checkpoint_write_s",
+    "start_time",
+    "end_time",
 ]
 
 
@@ -22,8 +35,21 @@ MEASURED = [
 def test_strategy_trains(name: str, tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     if "nvme" in name:  # a private NVMe stand-in, so parallel test runs cannot collide
-        site = site_copy(tmp_path, storage={"runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results"), "nvme": {"path": str(tmp_path / "nvme"), "size_gb": 5}})
-    rec = recipe(tmp_path, name, strategy=STRATEGIES[name], training={"steps": 8, "lr": 0.003, "warmup_steps": 2}, checkpoint={"interval": 4})
+        site = site_copy(
+            tmp_path,
+            storage={
+                "runs_dir": str(tmp_path / "runs"),
+                "results_dir": str(tmp_path / "results"),
+                "nvme": {"path": str(tmp_path / "nvme"), "size_gb": 5},
+            },
+        )
+    rec = recipe(
+        tmp_path,
+        name,
+        strategy=STRATEGIES[name],
+        training={"steps": 8, "lr": 0.003, "warmup_steps": 2},
+        checkpoint={"interval": 4},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     assert state(run_dir)["status"] == "completed"
     curve = losses(run_dir)
@@ -79,7 +105,19 @@ def test_entrypoint_example(tmp_path: Path) -> None:
 
 def test_failing_rank_fails_the_job(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
-    rec = recipe(tmp_path, "broken", job={"kind": "command", "command": ["python", "-c", "import os,sys,time; r=os.environ['RANK']; time.sleep(2 if r=='0' else 0); sys.exit(3 if r=='1' else 0)"]})  # rank 0 ends well, after rank 1 failed
+    rec = recipe(
+        tmp_path,
+        "broken",
+        job={
+            "kind": "command",
+            "command": [
+                "python",
+                "-c",
+                "import os,sys,time; r=os.environ['RANK']; "
+                "time.sleep(2 if r=='0' else 0); sys.exit(3 if r=='1' else 0)",
+            ],
+        },
+    )  # rank 0 ends well, after rank 1 failed
     out = hpcrun("submit", "--site", str(site), "--wait", str(rec), check=False)
     assert out.returncode == 1, out.stdout + out.stderr
     run_dir = run_dir_of(out)
@@ -139,7 +177,13 @@ OPTIONS = {
 def test_strategy_options_train(name: str, tmp_path: Path) -> None:
     strategy, precision, act_ckpt = OPTIONS[name]
     site = site_copy(tmp_path)
-    rec = recipe(tmp_path, name, strategy=strategy, precision=precision, training={"steps": 6, "lr": 0.003, "activation_checkpointing": act_ckpt})
+    rec = recipe(
+        tmp_path,
+        name,
+        strategy=strategy,
+        precision=precision,
+        training={"steps": 6, "lr": 0.003, "activation_checkpointing": act_ckpt},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     curve = losses(run_dir)
     assert state(run_dir)["status"] == "completed" and len(curve) == 6
@@ -155,7 +199,12 @@ def test_deepspeed_config_from_a_users_json(tmp_path: Path) -> None:
         "train_micro_batch_size_per_gpu": 99, "steps_per_print": 1000000,
     }))
     site = site_copy(tmp_path)
-    rec = recipe(tmp_path, "userjson", strategy={"name": "deepspeed", "config": str(config)}, training={"steps": 4, "lr": 0.003, "micro_batch": 2})
+    rec = recipe(
+        tmp_path,
+        "userjson",
+        strategy={"name": "deepspeed", "config": str(config)},
+        training={"steps": 4, "lr": 0.003, "micro_batch": 2},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     assert state(run_dir)["status"] == "completed"
     used = json.loads((run_dir / "deepspeed-config.json").read_text())
@@ -174,7 +223,9 @@ def test_logs_follow_prints_to_the_end(tmp_path: Path) -> None:
 
     site = site_copy(tmp_path)
     steps = 40
-    rec = recipe(tmp_path, "follow", training={"steps": steps, "log_interval": 5, "seq_len": 64}, checkpoint={"interval": 20})
+    rec = recipe(
+        tmp_path, "follow", training={"steps": steps, "log_interval": 5, "seq_len": 64}, checkpoint={"interval": 20}
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     started = time.time()
     follow = subprocess.run(

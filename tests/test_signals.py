@@ -10,14 +10,21 @@ from tests.helpers import ROOT
 
 
 def test_usr2_during_startup_is_remembered() -> None:
-    code = "import os, signal, hpcrun.launch, hpcrun.signals; os.kill(os.getpid(), signal.SIGUSR2); os.kill(os.getpid(), signal.SIGTERM); print(hpcrun.signals.FLAG.signum)"
+    code = (
+        "import os, signal, hpcrun.launch, hpcrun.signals; os.kill(os.getpid(), signal.SIGUSR2); "
+        "os.kill(os.getpid(), signal.SIGTERM); print(hpcrun.signals.FLAG.signum)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "15", out.stderr
 
 
 def test_without_the_flag_usr2_kills() -> None:
     """What the launcher prevents: the default action of USR2 ends the process."""
-    out = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR2); print('alive')"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR2); print('alive')"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == -12 and "alive" not in out.stdout
 
 
@@ -37,12 +44,22 @@ def test_job_environment_leaves_the_flag_in_place() -> None:
         "print(all(signal.getsignal(s).__self__ is hpcrun.signals.FLAG for s in (signal.SIGUSR2, signal.SIGTERM)))\n"
     )
     slurm = {
-        "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3",
-        "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_JOB_NODELIST": "gpu[07-08],cpu3", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_ID": "77",
+        "SLURM_ARRAY_JOB_ID": "70",
+        "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "gpu[07-08],cpu3",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NUM_NODES": "1",
+        "OMP_NUM_THREADS": "1",
     }
     environ = {k: v for k, v in os.environ.items() if k not in ("SUBMITIT_EXECUTOR", "MASTER_ADDR")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**environ, **slurm})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**environ, **slurm}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["1 4 70_3 77 gpu07", "True"], out.stdout + out.stderr
 
@@ -88,7 +105,17 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(r)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         assert ranks[0].stdout is not None and ranks[0].stdout.readline().strip() == "in all_reduce"
         time.sleep(1.0)  # inside the collective

@@ -29,7 +29,9 @@ from tests.runs import hpcrun, recipe, run_dir_of, site_copy, state
 
 # `STEP % TOK/S ETA` of a status line that shows a live run: `12/60   20  1.05k     0:14`. TOK/S
 # is empty for a user's entrypoint job (hpcrun does not know its tokens per step).
-LIVE = re.compile(r" (?P<step>\d+)/(?P<total>\d+) +(?P<percent>\d+) +(?:(?P<rate>[\d.]+[kMG]?) +)?(?P<eta>\d+:\d\d(?::\d\d)?)\b")
+LIVE = re.compile(
+    r" (?P<step>\d+)/(?P<total>\d+) +(?P<percent>\d+) +(?:(?P<rate>[\d.]+[kMG]?) +)?(?P<eta>\d+:\d\d(?::\d\d)?)\b"
+)
 TRAINING = {"lr": 0.003, "micro_batch": 2, "seq_len": 32}
 
 
@@ -71,7 +73,9 @@ def test_status_of_a_running_local_run_reads_its_progress(tmp_path: Path, sleepe
     assert fields[4] in ("2:05", "2:06", "2:07")  # ELAPSED of a local run: from jobs.json's submit time
     assert fields[5] == "2"  # restarts: the running attempt's, from its progress
     match = LIVE.search(line)
-    assert match and (match["step"], match["total"], match["percent"], match["rate"]) == ("40", "100", "40", "12.3k"), line
+    assert match and (match["step"], match["total"], match["percent"], match["rate"]) == ("40", "100", "40", "12.3k"), (
+        line
+    )
     assert match["eta"] in ("9:59", "10:00", "9:58"), line
     assert fields[-1] == "35"  # newest complete checkpoint
 
@@ -88,7 +92,9 @@ def test_a_sweep_keeps_its_counts_line(tmp_path: Path, sleeper: int) -> None:
     runs = tmp_path / "runs"
     for index in range(3):
         progress_file(local_run(runs, f"sw.{index}", sleeper, time.time()), job_id=str(sleeper), step=10 * index)
-    (local_run(runs, "sw.3", 2**22 + 12345, time.time()) / "state.json").write_text(json.dumps({"status": "completed", "job_id": str(2**22 + 12345)}))
+    (local_run(runs, "sw.3", 2**22 + 12345, time.time()) / "state.json").write_text(
+        json.dumps({"status": "completed", "job_id": str(2**22 + 12345)})
+    )
     out = cli("status", "--site", str(site_copy(tmp_path)), "sw")
     assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
@@ -110,7 +116,11 @@ def test_plain_lines_come_on_changes_and_at_an_interval() -> None:
     lines = PlainLines(out, interval=0.3)
 
     def poll(state: str, step: int | None) -> None:
-        p = None if step is None else Progress(step=step, total=50, updated=time.time(), job_id="7", eta_s=5.0, tokens_per_s=900.0)
+        p = (
+            None
+            if step is None
+            else Progress(step=step, total=50, updated=time.time(), job_id="7", eta_s=5.0, tokens_per_s=900.0)
+        )
         lines.show([RunStatus("r", "7", state, progress=p)])
 
     poll("PENDING", None)
@@ -148,7 +158,10 @@ def test_many_runs_show_counts_not_a_line_each() -> None:
     poll(1)  # changed, but within the gap: nothing yet
     time.sleep(2.1)
     poll(2)
-    assert out.getvalue().splitlines() == ["300 runs: done 0  running 0  pending 300  failed 0", "300 runs: done 2  running 0  pending 298  failed 0"]
+    assert out.getvalue().splitlines() == [
+        "300 runs: done 0  running 0  pending 300  failed 0",
+        "300 runs: done 2  running 0  pending 298  failed 0",
+    ]
     assert isinstance(display(io.StringIO(), runs=3), PlainLines)
 
 
@@ -162,7 +175,11 @@ def delayed(tmp_path: Path, name: str, steps: int, delay_s: float) -> Path:
 
 
 def status_line(site: Path, run_dir: Path) -> str:
-    return next(text for text in hpcrun("status", "--site", str(site), run_dir.name).stdout.splitlines() if text.startswith(run_dir.name))
+    return next(
+        text
+        for text in hpcrun("status", "--site", str(site), run_dir.name).stdout.splitlines()
+        if text.startswith(run_dir.name)
+    )
 
 
 def live_line(site: Path, run_dir: Path, timeout: float = 180) -> re.Match[str]:
@@ -202,7 +219,9 @@ def terminal_run(args: list[str], timeout: float = 300) -> tuple[int, str]:
 
     parent, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrun.cli", *args], cwd=ROOT, stdin=child, stdout=child, stderr=child, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrun.cli", *args], cwd=ROOT, stdin=child, stdout=child, stderr=child, close_fds=True
+    )
     os.close(child)
     drawn = b""
     deadline = time.time() + timeout
@@ -224,9 +243,13 @@ def terminal_run(args: list[str], timeout: float = 300) -> tuple[int, str]:
 @pytest.mark.slow
 def test_wait_on_a_terminal_draws_a_bar_that_advances(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
-    code, drawn = terminal_run(["submit", "--site", str(site), "--wait", str(delayed(tmp_path, "bar", 20, 0.4))])  # >= 8 s
+    code, drawn = terminal_run(
+        ["submit", "--site", str(site), "--wait", str(delayed(tmp_path, "bar", 20, 0.4))]
+    )  # >= 8 s
     assert code == 0, drawn
-    steps = {int(m[1]) for m in re.finditer(r"%\|[^|]*\| (\d+)/20, loss \d", drawn)}  # a tqdm bar: `40%|████   | 8/20, loss ...`
+    steps = {
+        int(m[1]) for m in re.finditer(r"%\|[^|]*\| (\d+)/20, loss \d", drawn)
+    }  # a tqdm bar: `40%|████   | 8/20, loss ...`
     assert len(steps & set(range(1, 20))) >= 2 and 20 in steps, (steps, drawn[-2000:])
     assert re.search(r"\| \d+/20, loss [\d.]+, ETA \d+:\d\d", drawn), drawn[-2000:]  # no tok/s: a user's job
 
@@ -238,7 +261,9 @@ def test_wait_without_a_terminal_prints_plain_lines(tmp_path: Path) -> None:
     out = hpcrun("submit", "--site", str(site), "--wait", str(delayed(tmp_path, "plain", 20, 0.4)))
     elapsed, lines = time.time() - start, out.stderr.splitlines()
     assert "\r" not in out.stderr and "%|" not in out.stderr, out.stderr
-    assert any(re.search(r": RUNNING step \d+/20 \(\d+%\), loss [\d.]+, ETA \d+:\d\d", text) for text in lines), out.stderr
+    assert any(re.search(r": RUNNING step \d+/20 \(\d+%\), loss [\d.]+, ETA \d+:\d\d", text) for text in lines), (
+        out.stderr
+    )
     assert any(re.search(r": COMPLETED step 20/20 \(100%\), loss [\d.]+", text) for text in lines), out.stderr
     # state changes, the start, the first move and one per 30 s: not a line per poll (one a second)
     assert len(lines) <= 4 + elapsed // 30, (elapsed, out.stderr)
@@ -249,7 +274,9 @@ def test_wait_without_a_terminal_prints_plain_lines(tmp_path: Path) -> None:
 def test_status_of_a_running_cluster_job(tmp_path_factory: pytest.TempPathFactory) -> None:
     shared = tmp_path_factory.mktemp("cluster")  # both nodes see it
     site = site_copy(shared, "testcluster")
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(delayed(shared, "live-cluster", 60, 0.3))))  # >= 18 s
+    run_dir = run_dir_of(
+        hpcrun("submit", "--site", str(site), str(delayed(shared, "live-cluster", 60, 0.3)))
+    )  # >= 18 s
     try:
         match = live_line(site, run_dir)
         assert match["total"] == "60" and 0 < int(match["step"]) < 60 and match["eta"] != "0:00", match.group(0)

@@ -27,9 +27,24 @@ T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 def rows(run_id: str, job_id: str, first: int, last: int, start_s: float, **ids: tp.Any) -> list[dict[str, tp.Any]]:
     """An attempt's rows for steps first..last, the loss telling the attempt apart."""
-    base = {"run_id": run_id, "sweep_id": None, "point_id": None, "stage": None, "strategy": "ddp", "job_id": job_id, "restart_count": 0, **ids}
+    base = {
+        "run_id": run_id,
+        "sweep_id": None,
+        "point_id": None,
+        "stage": None,
+        "strategy": "ddp",
+        "job_id": job_id,
+        "restart_count": 0,
+        **ids,
+    }
     return [
-        {**base, "step": s, "time": T0 + dt.timedelta(seconds=start_s + s), "loss": float(int(job_id) * 1000 + s), "extra": {"x": float(s)}}
+        {
+            **base,
+            "step": s,
+            "time": T0 + dt.timedelta(seconds=start_s + s),
+            "loss": float(int(job_id) * 1000 + s),
+            "extra": {"x": float(s)},
+        }
         for s in range(first, last + 1)
     ]
 
@@ -43,7 +58,16 @@ def test_load_steps_filters(tmp_path: Path) -> None:
     write(tmp_path, rows("b", "2", 1, 3, 0, sweep_id="s1", strategy="fsdp"))
     write(tmp_path, rows("c", "3", 1, 2, 0, sweep_id="s2", strategy="fsdp"))
     everything = steps.load_steps(tmp_path)
-    assert list(zip(everything["run_id"], everything["step"])) == [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2), ("b", 3), ("c", 1), ("c", 2)]
+    assert list(zip(everything["run_id"], everything["step"])) == [
+        ("a", 1),
+        ("a", 2),
+        ("a", 3),
+        ("b", 1),
+        ("b", 2),
+        ("b", 3),
+        ("c", 1),
+        ("c", 2),
+    ]
     assert set(steps.load_steps(tmp_path, run_id="b")["run_id"]) == {"b"}
     assert set(steps.load_steps(tmp_path, run_id=["a", "c"])["run_id"]) == {"a", "c"}
     assert set(steps.load_steps(tmp_path, sweep_id="s1")["run_id"]) == {"a", "b"}
@@ -118,7 +142,9 @@ def test_metrics_block_is_validated(tmp_path: Path) -> None:
     assert "metrics.flush_step" in result.output and "Traceback" not in result.output
     bad = write_yaml(tmp_path / "b.yaml", {"name": "m", "metrics": {"flush_seconds": 0}})
     assert "metrics.flush_seconds" in cli("validate", str(bad)).output
-    good = write_yaml(tmp_path / "g.yaml", {"name": "m", "metrics": {"flush_steps": 5, "per_rank_interval": 0, "tensorboard": True}})
+    good = write_yaml(
+        tmp_path / "g.yaml", {"name": "m", "metrics": {"flush_steps": 5, "per_rank_interval": 0, "tensorboard": True}}
+    )
     assert cli("validate", str(good)).exit_code == 0
 
 
@@ -161,18 +187,31 @@ def scalars(directory: Path, tag: str) -> dict[int, float]:
 def test_tensorboard_events_match_the_steps_table(tmp_path: Path) -> None:
     site = site_copy(tmp_path)
     job = {"kind": "entrypoint", "entrypoint": "tests.test_steps:train_logging", "pythonpath": [str(ROOT)]}
-    rec = recipe(tmp_path, "tb", job=job, training={"steps": 12}, checkpoint={"interval": 5}, metrics={"flush_steps": 5, "tensorboard": True})
+    rec = recipe(
+        tmp_path,
+        "tb",
+        job=job,
+        training={"steps": 12},
+        checkpoint={"interval": 5},
+        metrics={"flush_steps": 5, "tensorboard": True},
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     assert state(run_dir)["status"] == "completed"
     df = steps.load_steps(tmp_path / "results", run_id=run_dir.name)
     assert df["step"].tolist() == list(range(1, 13))
     assert df["loss"].tolist() == losses(run_dir)  # the global (mean over ranks) loss of each step
     assert df["lr"].tolist() == [0.05] * 12 and df["grad_norm"].notna().all()
-    assert (df["step_time_min_s"] <= df["step_time_median_s"]).all() and (df["step_time_median_s"] <= df["step_time_max_s"]).all()
+    assert (df["step_time_min_s"] <= df["step_time_median_s"]).all() and (
+        df["step_time_median_s"] <= df["step_time_max_s"]
+    ).all()
     assert set(df["slowest_rank"]) <= {0, 1}
     assert [dict(e)["half_step"] for e in df["extra"]] == [s / 2 for s in range(1, 13)]
     board = run_dir / "tensorboard"
-    for tag, column in (("loss", df["loss"]), ("grad_norm", df["grad_norm"]), ("step_time_max_s", df["step_time_max_s"])):
+    for tag, column in (
+        ("loss", df["loss"]),
+        ("grad_norm", df["grad_norm"]),
+        ("step_time_max_s", df["step_time_max_s"]),
+    ):
         assert scalars(board, tag) == pytest.approx(dict(zip(df["step"], column)), rel=1e-6)
     assert scalars(board, "extra/half_step") == {s: s / 2 for s in range(1, 13)}
     progress = json.loads((run_dir / "progress.json").read_text())
@@ -194,7 +233,15 @@ def newest_checkpoint(run_dir: Path) -> int:
 
 def recorded(results: Path, run_id: str, job_id: str) -> int:
     """The newest step an attempt has in its written files so far."""
-    return max((s for p in steps.files(results) for s, j in zip(*steps.read([p]).select(["step", "job_id"]).to_pydict().values()) if j == job_id and p.parent.name == run_id), default=0)
+    return max(
+        (
+            s
+            for p in steps.files(results)
+            for s, j in zip(*steps.read([p]).select(["step", "job_id"]).to_pydict().values())
+            if j == job_id and p.parent.name == run_id
+        ),
+        default=0,
+    )
 
 
 @pytest.mark.slow
@@ -206,8 +253,12 @@ def test_requeued_run_has_every_step_once(tmp_path: Path) -> None:
     results = tmp_path / "results"
     total = 40
     rec = recipe(
-        tmp_path, "requeued", job=entrypoint_job(str(ROOT), 0.15), training={"steps": total, "micro_batch": 2, "seq_len": 32},
-        checkpoint={"interval": 5}, metrics={"flush_steps": 1, "tensorboard": True},
+        tmp_path,
+        "requeued",
+        job=entrypoint_job(str(ROOT), 0.15),
+        training={"steps": total, "micro_batch": 2, "seq_len": 32},
+        checkpoint={"interval": 5},
+        metrics={"flush_steps": 1, "tensorboard": True},
     )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     wait_for(lambda: newest_checkpoint(run_dir) >= 5, "the first checkpoint")
@@ -219,11 +270,23 @@ def test_requeued_run_has_every_step_once(tmp_path: Path) -> None:
     hpcrun("resume", "--site", str(site), run_dir.name)
     second = str(controller(run_dir))
     # kill once this attempt has written steps past its newest checkpoint (they are redone)
-    wait_for(lambda: newest_checkpoint(run_dir) > stopped["step"] and recorded(results, run_dir.name, second) >= newest_checkpoint(run_dir) + 2, "steps past a checkpoint")
+    wait_for(
+        lambda: (
+            newest_checkpoint(run_dir) > stopped["step"]
+            and recorded(results, run_dir.name, second) >= newest_checkpoint(run_dir) + 2
+        ),
+        "steps past a checkpoint",
+    )
     pids = [controller(run_dir), *map(int, os.popen(f"pgrep -P {controller(run_dir)}").read().split())]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: all(not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[:1] for p in pids), "the kill")
+    wait_for(
+        lambda: all(
+            not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[:1]
+            for p in pids
+        ),
+        "the kill",
+    )
 
     hpcrun("resume", "--site", str(site), "--wait", run_dir.name)
     assert state(run_dir)["status"] == "completed"

@@ -56,7 +56,9 @@ def test_one_fast_check_resets_the_count_and_noise_is_not_a_node() -> None:
     judge = Stragglers(2.0, NODES)
     # checks PERSISTENT_S apart, so a verdict rests on the last PERSISTENT: one fast check among
     # them (under SLOW_SHARE of them slow) is what keeps rank 2 from being named
-    for i, times in enumerate(([0.01, 0.01, 0.05, 0.01], [0.01, 0.01, 0.05, 0.01], [0.01, 0.01, 0.012, 0.01], [0.01, 0.01, 0.05, 0.01])):
+    for i, times in enumerate(
+        ([0.01, 0.01, 0.05, 0.01], [0.01, 0.01, 0.05, 0.01], [0.01, 0.01, 0.012, 0.01], [0.01, 0.01, 0.05, 0.01])
+    ):
         assert judge.check(times, now=i * PERSISTENT_S) == []
     assert judge.check([0.01, 0.019, 0.01, 0.01], now=4 * PERSISTENT_S) == []  # under the factor
     assert judge.describe() is None

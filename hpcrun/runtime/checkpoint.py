@@ -91,7 +91,9 @@ def host_stager(sharded_tensors: bool = False) -> AsyncStager:
     cuda = torch.cuda.is_available()
     if sharded_tensors:
         return BlockingAsyncStager(cache_staged_state_dict=cuda)
-    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+    options = StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+    )
     return DefaultStager(options)
 
 

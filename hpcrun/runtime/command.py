@@ -99,7 +99,10 @@ def run_command(ctx: Context) -> None:
         ctx.info(f"{ctx.stopped}: command exited with status {code} after the stop signal, stopping for requeue")
         return
     if code != 0:
-        raise RuntimeError(f"command {job.command[0]!r} exited with status {code} on {'node' if job.launcher == 'torchrun' else 'rank'} {ctx.rank}")
+        raise RuntimeError(
+            f"command {job.command[0]!r} exited with status {code} "
+            f"on {'node' if job.launcher == 'torchrun' else 'rank'} {ctx.rank}"
+        )
 
 
 def torchrun_argv(ctx: Context) -> list[str]:
@@ -152,7 +155,9 @@ def max_grace_s(lead: float) -> float:
     return max(1.0, lead / 2, lead - USR2_MARGIN_S)
 
 
-def wait_stoppable(child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp.Callable[[], None], float] | None = None) -> int:
+def wait_stoppable(
+    child: subprocess.Popen[bytes], ctx: Context, every: tuple[tp.Callable[[], None], float] | None = None
+) -> int:
     """The command's exit status. After a stop signal it gets `stop_grace_s` to exit, then is
     killed with its children (its exit is then a stop like any other). `every` is a function
     to call, and its interval, while waiting."""

@@ -39,7 +39,9 @@ class Context:
         self.args: dict[str, tp.Any] = spec.recipe.job.args if isinstance(spec.recipe.job, EntrypointJob) else {}
         self.rank, self.local_rank, self.world_size, self.device = env.rank, env.local_rank, env.world_size, env.device
         checkpoint = spec.recipe.checkpoint
-        self.checkpoints = ckpt.Checkpoints(self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous)
+        self.checkpoints = ckpt.Checkpoints(
+            self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous
+        )
         self.measured = Measurements()
         self.engine: tp.Any = None
         self.start_step = 0
@@ -67,7 +69,9 @@ class Context:
         if not found and self.spec.init_weights:  # a stage starting from the previous stage's weights
             model.load_state_dict(torch.load(self.spec.init_weights, map_location="cpu", weights_only=True))
             self.info(f"initialised from {self.spec.init_weights}")
-        self.engine = self.recipe.strategy.build(model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir)
+        self.engine = self.recipe.strategy.build(
+            model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
+        )
         if found:
             state = self.checkpoints.load(self.engine, found[1])
             self.start_step = int(state["step"])
@@ -82,7 +86,9 @@ class Context:
         total, interval = self.recipe.training.steps, self.recipe.checkpoint.interval
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env
-        watchdog = Watchdog(self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s)
+        watchdog = Watchdog(
+            self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
+        )
         try:
             for step in range(self.start_step, total):
                 self.step = step
@@ -121,12 +127,17 @@ class Context:
         finally:
             watchdog_cpu = watchdog.stop()
             recorder.close()
-            if self.measured.step_times:  # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
+            if (
+                self.measured.step_times
+            ):  # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
                 stepped, own = sum(self.measured.step_times), sum(self.own_s.values())
                 shares = ", ".join(f"{part} {100 * s / stepped:.3f}%" for part, s in self.own_s.items())
-                self.info(f"hpcrun's per-step work: {own * 1e3:.1f} ms on the training thread over {len(self.measured.step_times)} steps "
-                          f"({100 * own / stepped:.3f}% of step time: {shares}); "
-                          f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)")
+                self.info(
+                    f"hpcrun's per-step work: {own * 1e3:.1f} ms on the training thread "
+                    f"over {len(self.measured.step_times)} steps "
+                    f"({100 * own / stepped:.3f}% of step time: {shares}); "
+                    f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)"
+                )
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks
@@ -190,14 +201,25 @@ class StopVote:
         if step_us:
             self.every = max(1, math.ceil(self.EVERY_S * 1e6 / step_us))
         if not signum and done < total:
-            self._cast([self.flag.signum or 0, int(recorder.due(ahead=self.every)), int(recorder.probe_due()), round(self.slowest_s * 1e6)])
+            self._cast(
+                [
+                    self.flag.signum or 0,
+                    int(recorder.due(ahead=self.every)),
+                    int(recorder.probe_due()),
+                    round(self.slowest_s * 1e6),
+                ]
+            )
             self.slowest_s = 0.0
             self.next_at = min(done + self.every, total)  # the last step reads it: none left in flight
         return signum, flush, probing
 
     def _cast(self, votes: list[int]) -> None:
         local = torch.tensor(votes, dtype=torch.int64, device=self.env.device)
-        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() and self.env.world_size > 1 else None
+        work = (
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True)
+            if dist.is_initialized() and self.env.world_size > 1
+            else None
+        )
         self.pending = (work, local)
 
     def _read(self) -> tuple[int, bool, bool, int]:

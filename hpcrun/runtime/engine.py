@@ -32,8 +32,15 @@ def block_classes(model: nn.Module) -> set[type[nn.Module]]:
 class TorchEngine:
     """DDP or FSDP with torch's own optimizer, autocast and (fp16) loss scaling."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Settings, env: DistEnv, raw: nn.Module,
-                 settle_buckets: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        recipe: Settings,
+        env: DistEnv,
+        raw: nn.Module,
+        settle_buckets: bool = False,
+    ) -> None:
         self.model, self.optimizer, self.recipe, self.env, self.raw = model, optimizer, recipe, env, raw
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
@@ -47,7 +54,9 @@ class TorchEngine:
             self.unsettled = False
             self.settle_buckets(tokens, targets)
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
-        sync = contextlib.nullcontext() if last or self.accum == 1 else tp.cast(tp.Any, self.model).no_sync()  # DDP and FSDP both have it
+        sync = (
+            contextlib.nullcontext() if last or self.accum == 1 else tp.cast(tp.Any, self.model).no_sync()
+        )  # DDP and FSDP both have it
         with sync:
             with self.autocast():
                 loss = self.model(tokens, targets)
@@ -122,7 +131,12 @@ class TorchEngine:
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             self._stager = checkpoint.host_stager(sharded_tensors=isinstance(self.model, FullyShardedDataParallel))
-        return dcp.async_save(self._state(), storage_writer=checkpoint.DcpWriter(directory), process_group=group, async_stager=self._stager)  # type: ignore[return-value]
+        return dcp.async_save(
+            self._state(),
+            storage_writer=checkpoint.DcpWriter(directory),
+            process_group=group,
+            async_stager=self._stager,
+        )  # type: ignore[return-value]
 
     def load(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp

@@ -37,7 +37,11 @@ def from_scheduler() -> DistEnv:
     fast hostname)."""
     environ = os.environ
     if "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ:
-        rank, local_rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_LOCALID"]), int(environ["SLURM_NTASKS"])
+        rank, local_rank, world = (
+            int(environ["SLURM_PROCID"]),
+            int(environ["SLURM_LOCALID"]),
+            int(environ["SLURM_NTASKS"]),
+        )
         environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
         environ.setdefault("MASTER_ADDR", first_host(environ.get("SLURM_JOB_NODELIST", "")) or "127.0.0.1")
         environ.setdefault("MASTER_PORT", "29500")

@@ -30,7 +30,15 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements, peak_memory_bytes
-from hpcrun.runtime.straggler import PERSISTENT, PERSISTENT_S, PROBE_EVERY_S, SLOW_SHARE, Stragglers, probe, probe_interval
+from hpcrun.runtime.straggler import (
+    PERSISTENT,
+    PERSISTENT_S,
+    PROBE_EVERY_S,
+    SLOW_SHARE,
+    Stragglers,
+    probe,
+    probe_interval,
+)
 
 
 class Loop(tp.Protocol):
@@ -102,7 +110,11 @@ class Writer:
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to training
-                print(f"[hpcrun] per-step metrics or a slow-rank record not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                print(
+                    f"[hpcrun] per-step metrics or a slow-rank record not written: {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 class StepRecorder:
@@ -148,7 +160,10 @@ class StepRecorder:
     def due(self, ahead: int = 0) -> bool:
         """Whether this rank would flush `ahead` steps after the step now ending (all ranks then
         agree: hpcrun.runtime.context `StopVote` carries the wish a step ahead)."""
-        return len(self.pending) + 1 + ahead >= self.config.flush_steps or time.monotonic() - self.last_flush >= self.config.flush_seconds
+        return (
+            len(self.pending) + 1 + ahead >= self.config.flush_steps
+            or time.monotonic() - self.last_flush >= self.config.flush_seconds
+        )
 
     def record(self, step: int, seconds: float, loss: float | None, extra: dict[str, float]) -> None:
         began = time.perf_counter()
@@ -156,7 +171,9 @@ class StepRecorder:
         groups = getattr(getattr(engine, "optimizer", None), "param_groups", None)
         lr = float(groups[0]["lr"]) if groups else None
         memory = peak_memory_bytes(self.ctx.env.device) if self.ctx.env.is_main else None
-        self.pending.append(Pending(step, time.time(), seconds, loss, lr, getattr(engine, "grad_norm", None), memory, extra))
+        self.pending.append(
+            Pending(step, time.time(), seconds, loss, lr, getattr(engine, "grad_norm", None), memory, extra)
+        )
         self.spent_s += time.perf_counter() - began
 
     def probe_due(self) -> bool:
@@ -198,14 +215,24 @@ class StepRecorder:
             return
         times, losses = gathered[:, : len(sampled)], gathered[:, len(sampled):]
         spread: dict[int, tuple[float, float, float, int]] = {}
-        if sampled:  # every sampled step's min, median, max and slowest rank at once (one op per statistic, not per step)
-            columns = zip(times.min(0).values.tolist(), times.quantile(0.5, dim=0).tolist(), times.max(0).values.tolist(),
-                          times.argmax(0).tolist())
+        if (
+            sampled
+        ):  # every sampled step's min, median, max and slowest rank at once (one op per statistic, not per step)
+            columns = zip(
+                times.min(0).values.tolist(),
+                times.quantile(0.5, dim=0).tolist(),
+                times.max(0).values.tolist(),
+                times.argmax(0).tolist(),
+            )
             spread = dict(zip(sampled, columns))
-        mean_loss = losses.sum(0) / world if collective else (losses[0] if world == 1 else torch.full((len(batch),), math.nan))
+        mean_loss = (
+            losses.sum(0) / world if collective else (losses[0] if world == 1 else torch.full((len(batch),), math.nan))
+        )
         seq, self.seq = self.seq, self.seq + 1
         losses_now = mean_loss.tolist()
-        self.writer.submit(lambda: self._write(self._rows(batch, spread, losses_now), seq))  # rows built off the training thread
+        self.writer.submit(
+            lambda: self._write(self._rows(batch, spread, losses_now), seq)
+        )  # rows built off the training thread
 
     def _rows(self, batch: list[Pending], spread: dict[int, tuple[float, float, float, int]],
               mean_loss: list[float]) -> list[dict[str, tp.Any]]:
@@ -234,7 +261,10 @@ class StepRecorder:
         if not new:
             return
         for s in new:
-            self.ctx.info(f"slow rank: {s.describe()}, over fault.straggler_factor {self.stragglers.factor} in {SLOW_SHARE:.0%}+ of {PERSISTENT}+ probes over {PERSISTENT_S:.0f}+ s")
+            self.ctx.info(
+                f"slow rank: {s.describe()}, over fault.straggler_factor {self.stragglers.factor} "
+                f"in {SLOW_SHARE:.0%}+ of {PERSISTENT}+ probes over {PERSISTENT_S:.0f}+ s"
+            )
         found = {f"rank {s.rank} on {s.node}": round(s.ratio, 2) for s in new}
         nodes = sorted({s.node for s in new})
         spec, run_dir = self.ctx.spec, RunDir(self.ctx.spec.run_dir)
@@ -255,8 +285,12 @@ class StepRecorder:
         step_s = sum(self.ctx.measured.step_times)
         if step_s:
             share = f" ({100 * self.spent_s / step_s:.3f}% of step time)"
-            self.ctx.info(f"per-step metrics: {self.spent_s * 1e3:.1f} ms on the training thread over {len(self.ctx.measured.step_times)} steps{share}, "
-                          f"of which {len(self.flushes)} flushes {sum(self.flushes) * 1e3:.1f} ms ({self.probes} with a slow-rank probe)")
+            self.ctx.info(
+                f"per-step metrics: {self.spent_s * 1e3:.1f} ms on the training thread "
+                f"over {len(self.ctx.measured.step_times)} steps{share}, "
+                f"of which {len(self.flushes)} flushes {sum(self.flushes) * 1e3:.1f} ms "
+                f"({self.probes} with a slow-rank probe)"
+            )
         if self.writer is not None:
             self.writer.submit(lambda: self._progress(None, None, []))
             self.writer.close()
@@ -290,4 +324,14 @@ class StepRecorder:
             seconds = progress.typical_step_s(r["step_time_s"] for r in rows)
             rate = self.tokens_per_step / seconds if self.tokens_per_step and seconds else None
         found = ckpt.latest(RunDir(self.ctx.spec.run_dir).checkpoints)
-        progress.write(path, step, self.total, loss, rate, seconds, self.ids["job_id"], self.ids["restart_count"], found[0] if found else None)
+        progress.write(
+            path,
+            step,
+            self.total,
+            loss,
+            rate,
+            seconds,
+            self.ids["job_id"],
+            self.ids["restart_count"],
+            found[0] if found else None,
+        )

@@ -60,7 +60,9 @@ class Watchdog:
     """Started by the training loop at its first step; `beat` after every step, and every save
     made inside `saving()`."""
 
-    def __init__(self, run_dir: RunDir, job_id: str, restart: int, rank: int, world_size: int, timeout_s: float | None) -> None:
+    def __init__(
+        self, run_dir: RunDir, job_id: str, restart: int, rank: int, world_size: int, timeout_s: float | None
+    ) -> None:
         self.run_dir, self.job_id, self.restart, self.rank, self.world_size = run_dir, job_id, restart, rank, world_size
         self.fixed = timeout_s
         self.timeout_s: float | None = timeout_s

@@ -25,4 +25,15 @@ def planner_options() -> list[Option]:
     return sorted(seen.values(), key=lambda o: o.order)
 
 
-__all__ = ["DDP", "FSDP", "DeepSpeed", "Option", "PlanProblem", "REGISTRY", "Strategy", "StrategyField", "planner_options", "register"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "DeepSpeed",
+    "Option",
+    "PlanProblem",
+    "REGISTRY",
+    "Strategy",
+    "StrategyField",
+    "planner_options",
+    "register",
+]

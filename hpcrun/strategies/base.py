@@ -33,7 +33,9 @@ class Option:
     stages_checkpoints: bool = True  # an asynchronous save copies the rank's state into host memory first
     # the library's own estimator of model-state memory, (host bytes per node, GPU bytes) from
     # (parameters, largest layer, ranks per node, nodes), where it has one
-    library_estimate: tp.Callable[[int, int, int, int], tuple[float, float]] | None = dataclasses.field(default=None, compare=False)
+    library_estimate: tp.Callable[[int, int, int, int], tuple[float, float]] | None = dataclasses.field(
+        default=None, compare=False
+    )
 
 
 class PlanProblem(ValueError):
@@ -80,7 +82,15 @@ class Strategy(Frozen):
         return {"zero_stage": None, "offload_optimizer": "none", "offload_param": "none"}
 
     # in the allocation (imports torch) ----------------------------------------------------
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(
+        self,
+        model: tp.Any,
+        make_optimizer: OptimizerFactory,
+        recipe: Settings,
+        env: DistEnv,
+        run_dir: str | None,
+        nvme_dir: str | None,
+    ) -> Engine:
         """Wrap `model`, build its optimizer: the engine the training loop drives. `run_dir`
         receives what the engine records of itself; `nvme_dir` is this job's own NVMe directory."""
         raise NotImplementedError
@@ -116,7 +126,9 @@ def _from_mapping(value: tp.Any) -> tp.Any:
         # the unknown-key message should list this class's keys: the field's own type knows only `name`
         keys = ", ".join(sorted(cls.model_fields))
         custom = pydantic_core.PydanticCustomError("value_error", "unknown key (valid keys: {keys})", {"keys": keys})
-        details: list[pydantic_core.InitErrorDetails] = [{"type": custom, "loc": e["loc"], "input": e["input"]} for e in unknown]
+        details: list[pydantic_core.InitErrorDetails] = [
+            {"type": custom, "loc": e["loc"], "input": e["input"]} for e in unknown
+        ]
         raise pydantic.ValidationError.from_exception_data(exc.title, details) from None
 
 

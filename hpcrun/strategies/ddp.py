@@ -41,7 +41,9 @@ class DDP(Strategy):
 
     def check(self, recipe: Settings, partition: Partition, site: Site) -> None:
         if not partition.gpus_per_node and self.comm_hook == "bf16":
-            raise PlanProblem("comm_hook", "the bf16 compression hook needs NCCL (GPUs); use fp16 or powersgd on a CPU partition")
+            raise PlanProblem(
+                "comm_hook", "the bf16 compression hook needs NCCL (GPUs); use fp16 or powersgd on a CPU partition"
+            )
 
     @classmethod
     def planner_options(cls) -> list[Option]:
@@ -50,7 +52,15 @@ class DDP(Strategy):
     def memory_option(self) -> Option:
         return REPLICATED
 
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(
+        self,
+        model: tp.Any,
+        make_optimizer: OptimizerFactory,
+        recipe: Settings,
+        env: DistEnv,
+        run_dir: str | None,
+        nvme_dir: str | None,
+    ) -> Engine:
         from torch.nn.parallel import DistributedDataParallel
 
         from hpcrun.runtime.engine import TorchEngine
@@ -66,7 +76,9 @@ class DDP(Strategy):
         if self.comm_hook == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2)
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2
+            )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         elif self.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

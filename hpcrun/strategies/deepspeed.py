@@ -21,7 +21,9 @@ if tp.TYPE_CHECKING:
 Offload = tp.Literal["none", "cpu", "nvme"]
 
 
-def library_estimate(stage: int, offload: bool, buffer: float = 1.5) -> tp.Callable[[int, int, int, int], tuple[float, float]]:
+def library_estimate(
+    stage: int, offload: bool, buffer: float = 1.5
+) -> tp.Callable[[int, int, int, int], tuple[float, float]]:
     """DeepSpeed's own cold estimators (`estimate_zero2_model_states_mem_needs`,
     `estimate_zero3_model_states_mem_needs` with zero_init), re-stated so a login node need not
     import deepspeed: (host bytes per node, GPU bytes) from (parameters, largest layer, ranks per
@@ -42,15 +44,46 @@ def library_estimate(stage: int, offload: bool, buffer: float = 1.5) -> tp.Calla
 
 OPTIONS = {
     "zero1": Option("zero1", {"name": "deepspeed", "stage": 1}, "none", False, True, order=1, stages_checkpoints=False),
-    "zero2": Option("zero2", {"name": "deepspeed", "stage": 2}, "none", True, True, order=2, stages_checkpoints=False, library_estimate=library_estimate(2, False)),
-    "zero3": Option("zero3", {"name": "deepspeed", "stage": 3}, "all", True, True, order=6, stages_checkpoints=False, library_estimate=library_estimate(3, False)),
+    "zero2": Option(
+        "zero2",
+        {"name": "deepspeed", "stage": 2},
+        "none",
+        True,
+        True,
+        order=2,
+        stages_checkpoints=False,
+        library_estimate=library_estimate(2, False),
+    ),
+    "zero3": Option(
+        "zero3",
+        {"name": "deepspeed", "stage": 3},
+        "all",
+        True,
+        True,
+        order=6,
+        stages_checkpoints=False,
+        library_estimate=library_estimate(3, False),
+    ),
     "zero3-cpu": Option(
-        "zero3-cpu", {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}, "all", True, True, order=7,
-        offload="cpu", stages_checkpoints=False, library_estimate=library_estimate(3, True),
+        "zero3-cpu",
+        {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+        "all",
+        True,
+        True,
+        order=7,
+        offload="cpu",
+        stages_checkpoints=False,
+        library_estimate=library_estimate(3, True),
     ),
     "zero3-nvme": Option(
-        "zero3-nvme", {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}, "all", True, True, order=8,
-        offload="nvme", stages_checkpoints=False,
+        "zero3-nvme",
+        {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
+        "all",
+        True,
+        True,
+        order=8,
+        offload="nvme",
+        stages_checkpoints=False,
     ),
 }
 
@@ -90,13 +123,19 @@ class DeepSpeed(Strategy):
         return list(OPTIONS.values())
 
     def memory_option(self) -> Option:
-        offload = "nvme" if self.uses_nvme() else "cpu" if "cpu" in (self.offload_param, self.offload_optimizer) else None
+        offload = (
+            "nvme" if self.uses_nvme() else "cpu" if "cpu" in (self.offload_param, self.offload_optimizer) else None
+        )
         if offload and self.stage == 3:
             return OPTIONS[f"zero3-{offload}"]
         return REPLICATED if self.stage == 0 else OPTIONS[f"zero{self.stage}"]
 
     def result_columns(self) -> dict[str, tp.Any]:
-        return {"zero_stage": self.stage, "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param}
+        return {
+            "zero_stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+        }
 
     def engine_config(self, recipe: Settings, nvme_dir: str | None, pin_memory: bool) -> dict[str, tp.Any]:
         """The DeepSpeed config the recipe implies, or the user's JSON with the batch fields set
@@ -121,12 +160,25 @@ class DeepSpeed(Strategy):
                 "wall_clock_breakdown": False,
             }
             if self.uses_nvme():
-                config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+                config["aio"] = {
+                    "block_size": 1048576,
+                    "queue_depth": 8,
+                    "single_submit": False,
+                    "overlap_events": True,
+                }
         config["train_micro_batch_size_per_gpu"] = training.micro_batch
         config["gradient_accumulation_steps"] = training.grad_accum
         return config
 
-    def build(self, model: tp.Any, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(
+        self,
+        model: tp.Any,
+        make_optimizer: OptimizerFactory,
+        recipe: Settings,
+        env: DistEnv,
+        run_dir: str | None,
+        nvme_dir: str | None,
+    ) -> Engine:
         import deepspeed
         import torch
         import torch.distributed as dist

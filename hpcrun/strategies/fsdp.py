@@ -55,9 +55,23 @@ class FSDP(Strategy):
         offload = "cpu" if self.cpu_offload else "none"
         return {"zero_stage": None, "offload_optimizer": offload, "offload_param": offload}
 
-    def build(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: Settings, env: DistEnv, run_dir: str | None, nvme_dir: str | None) -> Engine:
+    def build(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        recipe: Settings,
+        env: DistEnv,
+        run_dir: str | None,
+        nvme_dir: str | None,
+    ) -> Engine:
         import torch
-        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import (
+            BackwardPrefetch,
+            CPUOffload,
+            FullyShardedDataParallel,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         from hpcrun.runtime.engine import AUTOCAST, TorchEngine, block_classes
@@ -68,7 +82,9 @@ class FSDP(Strategy):
             "no_shard": ShardingStrategy.NO_SHARD,
             "hybrid": ShardingStrategy.HYBRID_SHARD,
         }[self.sharding]
-        prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}[self.backward_prefetch]
+        prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}[
+            self.backward_prefetch
+        ]
         dtype = AUTOCAST[recipe.precision]
         mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype) if dtype else None
         param_init = None
@@ -76,7 +92,9 @@ class FSDP(Strategy):
             # each wrapped unit is materialised on the device just before it is sharded
             names = {id(m): n for n, m in model.named_modules()}
             init = getattr(model, "init_module", None)
-            param_init = functools.partial(_materialise, device=env.device, init=(lambda m: init(names[id(m)], m)) if init else None)
+            param_init = functools.partial(
+                _materialise, device=env.device, init=(lambda m: init(names[id(m)], m)) if init else None
+            )
         wrapped = FullyShardedDataParallel(
             model,
             sharding_strategy=sharding,
