@@ -136,7 +136,11 @@ def schedule(site: Site, recipe_file: RecipeFile, dry_run: bool = False, retry_f
         settled = backend.Settled() if dry_run else reconcile(ledger, all_points, outcome)
         retry: set[str] = set()
         if retry_failed:
-            dirs = {p.point_id: Path(p.spec.run_dir) for p in all_points if p.spec and ledger.points.get(p.point_id, {}).get("job_id")}
+            dirs = {
+                p.point_id: Path(p.spec.run_dir)
+                for p in all_points
+                if p.spec and ledger.points.get(p.point_id, {}).get("job_id")
+            }
             failed = {s.run_id for s in statuses(list(dirs.values())) if jobstate.failed(s.state)}
             retry = {pid for pid, d in dirs.items() if d.name in failed}
         todo = []

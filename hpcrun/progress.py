@@ -75,8 +75,17 @@ def parse(path: Path, value: tp.Any) -> Progress:
     return Progress(**fields)
 
 
-def write(path: Path, step: int, total: int | None, loss: float | None, tokens_per_s: float | None, step_time_s: float | None,
-          job_id: str, restart_count: int, checkpoint_step: int | None) -> None:
+def write(
+    path: Path,
+    step: int,
+    total: int | None,
+    loss: float | None,
+    tokens_per_s: float | None,
+    step_time_s: float | None,
+    job_id: str,
+    restart_count: int,
+    checkpoint_step: int | None,
+) -> None:
     """progress.json as the job writes it (the built-in loop and a command's reported steps):
     the newest step, its rate and the time left at that rate."""
     write_json(path, {
@@ -230,8 +239,18 @@ class Bars:
         from tqdm import tqdm
 
         if run_id not in self.bars:
-            size: dict[str, tp.Any] = {"dynamic_ncols": True} if _sized(self.out) else {"ncols": FALLBACK_COLUMNS, "nrows": FALLBACK_ROWS}
-            self.bars[run_id] = tqdm(total=None, position=len(self.bars), file=self.out, leave=True, bar_format=self.WAITING, mininterval=0, **size)
+            size: dict[str, tp.Any] = (
+                {"dynamic_ncols": True} if _sized(self.out) else {"ncols": FALLBACK_COLUMNS, "nrows": FALLBACK_ROWS}
+            )
+            self.bars[run_id] = tqdm(
+                total=None,
+                position=len(self.bars),
+                file=self.out,
+                leave=True,
+                bar_format=self.WAITING,
+                mininterval=0,
+                **size,
+            )
         return self.bars[run_id]
 
     def show(self, current: tp.Sequence[RunStatus]) -> None:

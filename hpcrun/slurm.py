@@ -81,7 +81,9 @@ def compress_ids(job_ids: list[str]) -> list[str]:
                 ranges[-1] = f"{ranges[-1].split('-')[0]}-{n}"
             else:
                 ranges.append(str(n))
-        plain.append(f"{array}_{ranges[0]}" if ranges[0].isdigit() and len(ranges) == 1 else f"{array}_[{','.join(ranges)}]")
+        plain.append(
+            f"{array}_{ranges[0]}" if ranges[0].isdigit() and len(ranges) == 1 else f"{array}_[{','.join(ranges)}]"
+        )
     return plain
 
 

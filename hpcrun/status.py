@@ -88,7 +88,9 @@ def parse_sacct(text: str) -> dict[str, SchedulerRow]:
         job, state, nodes, elapsed, reason = parts[:5]
         state = jobstate.of(state).name  # "CANCELLED by 0" -> CANCELLED
         previous = rows.get(job)
-        rows[job] = SchedulerRow(state, nodes, int(elapsed) if elapsed.isdigit() else None, reason, (previous.records + 1) if previous else 1)
+        rows[job] = SchedulerRow(
+            state, nodes, int(elapsed) if elapsed.isdigit() else None, reason, (previous.records + 1) if previous else 1
+        )
     return rows
 
 
@@ -172,7 +174,11 @@ def controller_alive(pid: str, run_dir: Path) -> bool:
 def statuses(run_dirs: list[Path], max_age: float = pollcache.POLL_S) -> list[RunStatus]:
     """The status of each run (its latest job) and its progress, with one scheduler query for
     all of them, or none when this user's last one is younger than `max_age` (hpcrun.pollcache)."""
-    result = [dataclasses.replace(s, progress=progress.read(Path(d))) for d, s in zip(run_dirs, _scheduled(run_dirs, max_age)) if s is not None]
+    result = [
+        dataclasses.replace(s, progress=progress.read(Path(d)))
+        for d, s in zip(run_dirs, _scheduled(run_dirs, max_age))
+        if s is not None
+    ]
     now = time.time()
     for status in result:
         p = status.progress
@@ -206,13 +212,36 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
             state = jobstate.RUNNING if alive(job["job_id"]) else jobstate.from_marker(own.get("status", ""))
             submitted = job.get("submitted")
             since = float(submitted) if isinstance(submitted, (int, float)) else None
-            result.append(RunStatus(run_dir.name, job["job_id"], state, "localhost", None, int(own.get("restart_count", 0)), run_notes(own.get("reason") or "", mark), "local", submitted=since))
+            result.append(
+                RunStatus(
+                    run_dir.name,
+                    job["job_id"],
+                    state,
+                    "localhost",
+                    None,
+                    int(own.get("restart_count", 0)),
+                    run_notes(own.get("reason") or "", mark),
+                    "local",
+                    submitted=since,
+                )
+            )
             continue
         row = rows.get(job["job_id"])
         if row is None:
             unheard = jobstate.UNKNOWN if source == "sacct" else jobstate.LEFT_QUEUE  # not in sacct yet / left squeue
             state = jobstate.from_marker(own.get("status", "")) if own else unheard
-            result.append(RunStatus(run_dir.name, job["job_id"], state, "", None, int(own.get("restart_count", 0)), run_notes(own.get("reason") or "", mark), source))
+            result.append(
+                RunStatus(
+                    run_dir.name,
+                    job["job_id"],
+                    state,
+                    "",
+                    None,
+                    int(own.get("restart_count", 0)),
+                    run_notes(own.get("reason") or "", mark),
+                    source,
+                )
+            )
             continue
         state = row.state
         if state == jobstate.COMPLETED and own.get("status") not in (None, "completed"):
@@ -220,7 +249,18 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
             # stopped and saved but not requeued (a requeue sacct would show as REQUEUED)
             state = jobstate.FAILED if own["status"] == "failed" else jobstate.RESUMABLE
         reason = own.get("reason") or ("" if row.reason in ("None", "") else row.reason)
-        result.append(RunStatus(run_dir.name, job["job_id"], state, row.nodes, row.elapsed_s, row.records - 1, run_notes(reason, mark), source))
+        result.append(
+            RunStatus(
+                run_dir.name,
+                job["job_id"],
+                state,
+                row.nodes,
+                row.elapsed_s,
+                row.records - 1,
+                run_notes(reason, mark),
+                source,
+            )
+        )
     return result
 
 
@@ -228,7 +268,10 @@ def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:
     """The attempt's reason and what the run as a whole learnt, whichever attempt learnt it:
     ranks named slow while training (hpcrun.runtime.straggler) and the nodes excluded."""
     if mark.get("slow_ranks"):
-        slow = ", ".join(f"{who} ({ratio:.1f}x)" if isinstance(ratio, (int, float)) else str(who) for who, ratio in sorted(mark["slow_ranks"].items()))
+        slow = ", ".join(
+            f"{who} ({ratio:.1f}x)" if isinstance(ratio, (int, float)) else str(who)
+            for who, ratio in sorted(mark["slow_ranks"].items())
+        )
         reason = f"{reason}; slow: {slow}"
     if mark.get("excluded_nodes"):
         reason = f"{reason}; excluding {','.join(mark['excluded_nodes'])}"
@@ -270,7 +313,9 @@ def wait(
                 raise
             if exc.format_message() != failed:  # once per distinct failure, not once per poll
                 failed = exc.format_message()
-                print(f"[hpcrun] scheduler query failed, keeping the last states: {failed}", file=sys.stderr, flush=True)
+                print(
+                    f"[hpcrun] scheduler query failed, keeping the last states: {failed}", file=sys.stderr, flush=True
+                )
         key = [(s.run_id, s.state, s.restarts) for s in current]
         if on_change and key != shown:
             on_change(current)

@@ -34,7 +34,10 @@ def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_parse_sacct_counts_requeues() -> None:
-    text = "41|PREEMPTED|node[1-2]|30|None\n41|REQUEUED|node[1-2]|10|None\n41|RUNNING|node1|5|None\n42|CANCELLED by 0|node2|7|None\n"
+    text = (
+        "41|PREEMPTED|node[1-2]|30|None\n41|REQUEUED|node[1-2]|10|None\n41|RUNNING|node1|5|None\n"
+        "42|CANCELLED by 0|node2|7|None\n"
+    )
     rows = parse_sacct(text)
     assert rows["41"].state == "RUNNING" and rows["41"].records == 3 and rows["41"].nodes == "node1"
     assert rows["42"].state == "CANCELLED" and rows["42"].elapsed_s == 7
@@ -55,7 +58,13 @@ def test_submit_sends_the_rendered_script(tools: Path, tmp_path: Path, monkeypat
 
 
 def test_refused_submission_leaves_no_run_dir(tools: Path, tmp_path: Path) -> None:
-    fake_tools(tools, sbatch='echo "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified" >&2; exit 1')
+    fake_tools(
+        tools,
+        sbatch=(
+            'echo "sbatch: error: Batch job submission failed: '
+            'Invalid account or account/partition combination specified" >&2; exit 1'
+        ),
+    )
     site = site_copy(tmp_path, "testcluster")
     out = cli("submit", "--site", str(site), "--run-id", "r-refused", "jobs/quickstart.yaml")
     assert out.exit_code == 1
@@ -83,7 +92,13 @@ def _run_dir(tmp_path: Path, name: str, job: str, state: dict | None = None) -> 
 
 
 def test_status_is_one_sacct_call(tools: Path, tmp_path: Path) -> None:
-    fake_tools(tools, sacct='echo "sacct $*" >>"$FAKE_LOG"; printf "7|COMPLETED|node[1-2]|61|None\\n8|PREEMPTED|node1|5|None\\n8|RUNNING|node2|9|None\\n9|PENDING||0|Priority\\n"')
+    fake_tools(
+        tools,
+        sacct=(
+            'echo "sacct $*" >>"$FAKE_LOG"; printf "7|COMPLETED|node[1-2]|61|None\\n8|PREEMPTED|node1|5|None\\n'
+            '8|RUNNING|node2|9|None\\n9|PENDING||0|Priority\\n"'
+        ),
+    )
     dirs = [_run_dir(tmp_path, f"run{j}", str(j)) for j in (7, 8, 9)]
     result = {s.run_id: s for s in statuses(dirs)}
     calls = Path(tmp_path / "calls.log").read_text().splitlines()

@@ -79,7 +79,9 @@ def wait_done(run_dir: Path, timeout: float = 420) -> dict[str, tp.Any]:
             if records(job) and records(job)[-1] in ("COMPLETED", "FAILED"):
                 return state(run_dir)
         time.sleep(2)
-    raise AssertionError(f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}")
+    raise AssertionError(
+        f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}"
+    )
 
 
 def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
@@ -91,7 +93,9 @@ def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
 
 def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
     site = site_copy(shared, "testcluster")
-    rec = recipe(shared, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_NODES, **extra})
+    rec = recipe(
+        shared, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_NODES, **extra}
+    )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 
@@ -135,7 +139,12 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     wait_for(lambda: status(run_dir) == "requeued", what="the USR2 stop", timeout=120)
     stopped = state(run_dir)["step"]
     wait_for(lambda: checkpoint_after(run_dir, stopped), what="a checkpoint of the resumed attempt", timeout=240)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-n4", "-o", "/dev/null", "--wrap", "sleep 2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     final = wait_done(run_dir)
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)  # one requeue per interruption

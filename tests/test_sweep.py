@@ -163,7 +163,8 @@ def test_retry_failed_resubmits_only_failed_points(ended: str, tmp_path: Path) -
         squeue="exit 0",
         # the first array's task 1 ended badly, its task 2 is suspended, everything else completed
         sacct=(
-            f'for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do s=COMPLETED; [ "$j" = 101_1 ] && s={ended}; '
+            f'for j in $(echo "$@" | grep -oP "(?<=-j )\\S+" | tr , " "); do s=COMPLETED; '
+            f'[ "$j" = 101_1 ] && s={ended}; '
             '[ "$j" = 101_2 ] && s=SUSPENDED; echo "$j|$s|node1|5|None"; done'
         ),
     )

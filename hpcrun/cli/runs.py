@@ -15,7 +15,11 @@ from hpcrun.rundir import RunDir
 @click.command()
 @site_option
 @click.argument("run", required=False)
-@click.option("--wait", is_flag=True, help="Follow the runs to their end (Ctrl-C stops following, never the jobs); exit non-zero if one failed.")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Follow the runs to their end (Ctrl-C stops following, never the jobs); exit non-zero if one failed.",
+)
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="With --wait: stop following after SECONDS, exit status 124 if a run has not ended.")
 def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -> None:
@@ -48,7 +52,10 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
         click.echo(counts_line(rows))
     width = max(24, *(len(r.run_id) for r in rows))
     now = time.time()
-    lines = [f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} {'STEP':>13} {'%':>4} {'TOK/S':>6} {'ETA':>8} {'CKPT':>6}  REASON"]
+    lines = [
+        f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} "
+        f"{'STEP':>13} {'%':>4} {'TOK/S':>6} {'ETA':>8} {'CKPT':>6}  REASON"
+    ]
     for r in rows:
         p = r.progress
         step = f"{p.step}/{p.total}" if p else ""
@@ -56,7 +63,9 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
         tokens = rate(p.tokens_per_s) if p and live(r) else ""
         eta = duration(p.eta_now(now)) if p and live(r) else ""
         ckpt = "" if p is None or p.checkpoint_step is None else str(p.checkpoint_step)
-        scheduled = f"{r.run_id:{width}} {r.job_id:>10} {r.state:12} {r.nodes:12} {duration(r.elapsed_s):>8} {r.restarts:>8}"
+        scheduled = (
+            f"{r.run_id:{width}} {r.job_id:>10} {r.state:12} {r.nodes:12} {duration(r.elapsed_s):>8} {r.restarts:>8}"
+        )
         lines.append(f"{scheduled} {step:>13} {percent:>4} {tokens:>6} {eta:>8} {ckpt:>6}  {r.reason}".rstrip())
     click.echo("\n".join(lines))
     click.echo(f"(from {', '.join(sources)})", err=True)
@@ -122,7 +131,10 @@ def checkpoint_consolidate(site_name: str, run: str, step: int | None) -> None:
     if not steps:
         raise HpcrunError("no complete checkpoint to consolidate", run_dir)
     if step is not None and step not in steps:
-        raise HpcrunError(f"no complete checkpoint at step {step} in {run_dir.name} (complete steps: {', '.join(map(str, steps))})", field="--step")
+        raise HpcrunError(
+            f"no complete checkpoint at step {step} in {run_dir.name} (complete steps: {', '.join(map(str, steps))})",
+            field="--step",
+        )
     path, digest = consolidate(run_dir, step)
     click.echo(f"{path}  sha256 of weights {digest}")
 

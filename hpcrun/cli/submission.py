@@ -35,13 +35,18 @@ def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str 
         if dry_run:
             click.echo(f"dry run: {RunDir(run_dir).script}")
             continue
-        dependency = f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None  # stages run in order
+        dependency = (
+            f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None
+        )  # stages run in order
         job_id = backend.submit(spec, dependency)
         previous = job_id
         submitted.append(run_dir)
         click.echo(f"submitted {spec.run_id} as job {job_id} ({site.name})\n  run dir: {run_dir}")
     if submitted and not dry_run:
-        click.echo(f"  follow:  hpcrun status --site {site.name} {submitted[-1].name}; hpcrun logs --site {site.name} {submitted[-1].name} --follow")
+        click.echo(
+            f"  follow:  hpcrun status --site {site.name} {submitted[-1].name}; "
+            f"hpcrun logs --site {site.name} {submitted[-1].name} --follow"
+        )
     if wait and submitted:
         follow(submitted)
 
@@ -148,7 +153,10 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
         for script in out.scripts:
             click.echo("#" * 72 + "\n" + script, nl=False)
         return
-    click.echo(f"submitted {len(out.submitted)} point(s); {out.already} already submitted; follow with: hpcrun status --site {site.name} {out.sweep_id}")
+    click.echo(
+        f"submitted {len(out.submitted)} point(s); {out.already} already submitted; "
+        f"follow with: hpcrun status --site {site.name} {out.sweep_id}"
+    )
 
 
 @click.command()

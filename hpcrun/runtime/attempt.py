@@ -30,7 +30,11 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     env = from_scheduler()
     FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
     # every rank's own log says whose it is: a failure is read in one rank's file
-    print(f"[hpcrun] rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, restart {env.restart_count}", flush=True)
+    print(
+        f"[hpcrun] rank {env.rank}/{env.world_size} (local {env.local_rank}) "
+        f"on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, restart {env.restart_count}",
+        flush=True,
+    )
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
         if env.backend == "nccl":
             flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
@@ -120,7 +124,9 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     def merge(current: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
         # one failed rank fails the attempt, whatever the ranks that finished write after it
         nonlocal wrote
-        if (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get("status") == "failed":
+        if (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get(
+            "status"
+        ) == "failed":
             return None
         # the row and losses before the state: whoever sees "completed" (--wait, a stage's
         # dependency, a test) finds the attempt's results already there

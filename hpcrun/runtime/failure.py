@@ -4,8 +4,9 @@ When one rank dies, the others fail a moment later ("Connection closed by peer")
 by srun (`--kill-on-bad-exit`); none of them knows who died first. So a failing rank only leaves
 an exit record (its error, step and node: hpcrun.rundir's `exit_record`), and the batch script,
 which outlives srun, runs `python -m hpcrun.runtime.failure RUN_DIR STATUS` (srun's messages on its
-stdin) once the step has ended, as one task inside the ranks' container: srun's own messages ("srun: error: node2: task 3: Killed") say which task ended
-first. That one process writes the attempt's results row and state.json and decides the requeue.
+stdin) once the step has ended, as one task inside the ranks' container: srun's own messages
+("srun: error: node2: task 3: Killed") say which task ended first. That one process writes the
+attempt's results row and state.json and decides the requeue.
 
 A lost node takes its batch script with it; SLURM requeues the job (NODE_FAIL) and the next
 attempt's start records the lost attempt from sacct (`lost_attempt`), and the node is excluded
@@ -122,7 +123,11 @@ def first_failure(srun_stderr: str, records: list[dict[str, tp.Any]]) -> Failure
             elif code:
                 candidates.append(Failure(rank, match["node"], f"exit code {code[1]}", None))
             else:
-                candidates.append(Failure(rank, match["node"], f"{what} ({SIGNAL_WORDS[what]})" if what in SIGNAL_WORDS else what, None))
+                candidates.append(
+                    Failure(
+                        rank, match["node"], f"{what} ({SIGNAL_WORDS[what]})" if what in SIGNAL_WORDS else what, None
+                    )
+                )
     for rec in sorted(records, key=lambda r: r.get("time", 0)):  # ranks srun did not name
         if all(c.rank != rec["rank"] for c in candidates):
             candidates.append(Failure(int(rec["rank"]), rec.get("node"), rec["error"], rec.get("step")))
@@ -158,11 +163,20 @@ def name_silent(run_dir: RunDir, job_id: str, restart: int, failure: Failure, re
     return dataclasses.replace(failure, what=f"{HUNG}; silent: {heartbeat.short(found)}")
 
 
-def write_exit_record(run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any]) -> None:
+def write_exit_record(
+    run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any]
+) -> None:
     """A failing rank's word, for the one writer of the attempt's record."""
     import time
 
-    record = {"rank": rank, "node": os.environ.get("SLURMD_NODENAME"), "error": error, "step": step, "time": time.time(), "row": row}
+    record = {
+        "rank": rank,
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "error": error,
+        "step": step,
+        "time": time.time(),
+        "row": row,
+    }
     write_json(run_dir.exit_record(job_id, restart, rank), json.loads(json.dumps(record, default=str)))
 
 
@@ -191,7 +205,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         if (state.get("job_id"), state.get("restart_count")) == (job_id, restart):
             decided["requeue"] = state.get("status") in (REQUEUEING, "requeued")  # rank 0 said so, then was killed
             return None
-        previous = state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
+        previous = (
+            state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
+        )
         reason = failure.describe()
         if signature == previous:
             reason += "; the same failure as the previous attempt (same step, same error): not requeued"
@@ -252,7 +268,10 @@ def _requeue(run_dir: RunDir | None, job: str, restart: int) -> str | None:
         if excluded:
             update = slurm.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"])
             if update.returncode != 0:
-                print(f"[hpcrun] requeued {job}, but could not exclude {','.join(excluded)}: {one_line(update)}", file=sys.stderr)
+                print(
+                    f"[hpcrun] requeued {job}, but could not exclude {','.join(excluded)}: {one_line(update)}",
+                    file=sys.stderr,
+                )
     finally:
         signal.signal(signal.SIGTERM, previous)
     return None
@@ -305,7 +324,13 @@ def lost_nodes(node_list: str) -> list[str]:
     nodes = hostnames(node_list)
     answer = slurm.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"])
     out = answer.stdout if answer.returncode == 0 else ""  # unknown: every node of the attempt
-    down = sorted({n for n, st in (line.split()[:2] for line in out.splitlines() if line.strip()) if st.startswith(("down", "drain", "fail"))})
+    down = sorted(
+        {
+            n
+            for n, st in (line.split()[:2] for line in out.splitlines() if line.strip())
+            if st.startswith(("down", "drain", "fail"))
+        }
+    )
     return down or nodes
 
 
