@@ -51,7 +51,7 @@ def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path]
         else:
             on_slurm.append((run_dir, str(job["job_id"])))
     if on_slurm:
-        out = slurm.run(["scancel", *slurm.compress_ids([j for _, j in on_slurm])])
+        out = slurm.run(slurm.scancel([j for _, j in on_slurm]))
         if out.returncode != 0:
             raise HpcrunError(f"scancel failed: {out.stderr.strip() or out.stdout.strip()}")
     return cancelled + on_slurm, skipped, ended

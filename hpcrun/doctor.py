@@ -46,7 +46,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
             found.append(Finding("fail", tool, "not on PATH", "run on a login node, or load the site's slurm module"))
     if any(f.status == "fail" for f in found):
         return found
-    info = _run(["sinfo", "-h", "-o", "%R|%D|%c|%m|%G|%l"])
+    info = _run(slurm.partitions_summary())
     if info.returncode != 0:
         return found + [
             Finding(
@@ -122,7 +122,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
                 )
             )
     if site.account or site.qos:
-        answer = _run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={slurm.user()}", "format=account,qos"])
+        answer = _run(slurm.associations([f"user={slurm.user()}"], "account,qos"))
         if answer.returncode != 0:
             said = answer.stderr.strip() or f"exit status {answer.returncode}"
             raise HpcrunError(f"sacctmgr failed, so account and qos cannot be checked: {said}")
@@ -149,7 +149,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
             )
     with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
         f.write(script)
-    test = _run(["sbatch", "--test-only", f.name])
+    test = _run(slurm.test_only(f.name))
     Path(f.name).unlink()
     if test.returncode == 0:
         found.append(

@@ -78,7 +78,7 @@ def limits(account: str | None, qos: str | None, partitions: list[str]) -> tuple
     account named, every association of the user is considered (jobs go to the default account,
     which is one of them). A SLURM tool that is missing, fails or hangs, or answers what this
     cannot read, is one line: guessing a cap could submit an array the controller refuses."""
-    config = dict(_pairs(_ask(["scontrol", "show", "config"], "read MaxArraySize").splitlines()))
+    config = dict(_pairs(_ask(slurm.show_config(), "read MaxArraySize").splitlines()))
     size = int(config.get("MaxArraySize", MAX_ARRAY_SIZE))
     user = slurm.user()
     assocs = _associations(user, account, config.get("ClusterName"))
@@ -166,7 +166,7 @@ class _Caps:
 def _associations(user: str, account: str | None, cluster: str | None) -> list[Assoc]:
     where = [f"user={user}", *([f"account={account}"] if account else []), *([f"cluster={cluster}"] if cluster else [])]
     out = _ask(
-        ["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=Account,Partition,MaxSubmit,DefaultQOS,QOS"],
+        slurm.associations(where, "Account,Partition,MaxSubmit,DefaultQOS,QOS"),
         "read MaxSubmitJobs",
         NO_ACCOUNTING_STORAGE,
     )
@@ -176,7 +176,7 @@ def _associations(user: str, account: str | None, cluster: str | None) -> list[A
 
 def _qos_table() -> dict[str, Qos]:
     out = _ask(
-        ["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,Flags"],
+        slurm.qos_caps(),
         "read the QOS' submit caps",
     )
     return {name.lower(): Qos(_number(pu), _number(pa), "overpartqos" in flags.lower().split(","))
@@ -185,7 +185,7 @@ def _qos_table() -> dict[str, Qos]:
 
 def _partition_qos() -> dict[str, str]:
     """Each partition's QOS (`QoS=`), for those that have one; hidden partitions too (-a)."""
-    out = _ask(["scontrol", "-a", "show", "partition", "-o"], "read the partitions' QOS")
+    out = _ask(slurm.show_partition(), "read the partitions' QOS")
     found = {}
     for line in out.splitlines():
         fields = dict(_pairs(line.split()))  # one partition per line (-o): Key=value fields
@@ -195,8 +195,7 @@ def _partition_qos() -> dict[str, str]:
 
 
 def _held(select: list[str]) -> list[Held]:
-    # -r: an array's pending tasks one per line (each counts); -a: hidden partitions' jobs too
-    out = _ask(["squeue", "-h", "-r", "-a", *select, "-o", "%u|%a|%q|%P"], "count the jobs held")
+    out = _ask(slurm.held_jobs(select), "count the jobs held")  # each pending array task counts
     return [Held(u, a, q.lower(), tuple(p.split(","))) for u, a, q, p in _rows(out, 4, "squeue")]
 
 

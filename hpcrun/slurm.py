@@ -196,3 +196,73 @@ def _sacct_submissions(since: float) -> list[tuple[str, float, str, str]]:
 
 def _said(out: subprocess.CompletedProcess[str]) -> str:
     return out.stderr.strip() or out.stdout.strip()
+
+
+# The command lines hpcrun sends to SLURM, each built here once; callers run them with `run` and
+# read the answer (status, cancel, the failure step, doctor, the sweep's caps).
+def sacct_states(jobs: str) -> list[str]:
+    """Every record (-D: each requeue) of comma-joined `jobs`: id, state, nodes, elapsed, reason."""
+    return ["sacct", "-X", "-D", "-n", "-P", "-j", jobs, "-o", "JobID,State,NodeList,ElapsedRaw,Reason"]
+
+
+def squeue_states(jobs: str) -> list[str]:
+    return ["squeue", "-h", "-j", jobs, "-o", "%i|%T|%N|%M|%r"]
+
+
+def scancel(jobs: list[str]) -> list[str]:
+    return ["scancel", *compress_ids(jobs)]
+
+
+def show_job(job: str) -> list[str]:
+    return ["scontrol", "show", "job", job]
+
+
+def requeue(job: str) -> list[str]:
+    return ["scontrol", "requeue", job]
+
+
+def exclude_nodes(job: str, nodes: list[str]) -> list[str]:
+    """Set a pending job's ExcNodeList (SLURM keeps it across its later requeues)."""
+    return ["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"]
+
+
+def attempt_states(allocation: str) -> list[str]:
+    return ["sacct", "-X", "-D", "-n", "-P", "-j", allocation, "-o", "State,NodeList"]
+
+
+def hostnames(node_list: str) -> list[str]:
+    return ["scontrol", "show", "hostnames", node_list]
+
+
+def node_states(nodes: list[str]) -> list[str]:
+    return ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"]
+
+
+def show_partition(partition: str | None = None) -> list[str]:
+    """One partition, or (None) every partition, hidden ones too, one per line."""
+    return ["scontrol", "show", "partition", partition] if partition else ["scontrol", "-a", "show", "partition", "-o"]
+
+
+def partitions_summary() -> list[str]:
+    return ["sinfo", "-h", "-o", "%R|%D|%c|%m|%G|%l"]
+
+
+def associations(where: list[str], fields: str) -> list[str]:
+    return ["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, f"format={fields}"]
+
+
+def qos_caps() -> list[str]:
+    return ["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,Flags"]
+
+
+def show_config() -> list[str]:
+    return ["scontrol", "show", "config"]
+
+
+def held_jobs(select: list[str]) -> list[str]:
+    """Queued and running jobs, an array's pending tasks one per line (-r), hidden partitions' too (-a)."""
+    return ["squeue", "-h", "-r", "-a", *select, "-o", "%u|%a|%q|%P"]
+
+
+def test_only(script: str) -> list[str]:
+    return ["sbatch", "--test-only", script]

@@ -70,7 +70,7 @@ def id_groups(job_ids: list[str]) -> list[str]:
 def _ask_sacct(job_ids: list[str]) -> str:
     text = ""
     for group in id_groups(job_ids):
-        out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", group, "-o", "JobID,State,NodeList,ElapsedRaw,Reason"])
+        out = slurm.run(slurm.sacct_states(group))
         if out.returncode != 0:
             if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
                 return NO_ACCOUNTING
@@ -110,7 +110,7 @@ def squeue(job_ids: list[str], max_age: float = pollcache.POLL_S) -> dict[str, S
 def _ask_squeue(job_ids: list[str]) -> str:
     text = ""
     for group in id_groups(job_ids):
-        out = slurm.run(["squeue", "-h", "-j", group, "-o", "%i|%T|%N|%M|%r"])
+        out = slurm.run(slurm.squeue_states(group))
         if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
             raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
         text += out.stdout

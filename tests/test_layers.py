@@ -6,6 +6,7 @@ other share a job)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -146,3 +147,19 @@ def test_only_rundir_spells_the_run_directorys_names() -> None:
     """One owner for each place on disk: the others ask hpcrun.rundir for a path."""
     found = spelled_names(ROOT / "hpcrun")
     assert found == [], "file names spelled outside hpcrun.rundir:\n" + "\n".join(found)
+
+
+SLURM_TOOLS = re.compile(r"""\[\s*["'](sacct|sacctmgr|sbatch|scancel|scontrol|sinfo|squeue|sprio|sshare)["']""")
+
+
+def test_only_the_slurm_module_builds_slurm_command_lines() -> None:
+    """One owner for what hpcrun asks SLURM: a command line (`["sacct", ...]`) appears in
+    hpcrun/slurm.py only; the others call its builders."""
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "hpcrun").rglob("*.py"))
+        if path.name != "slurm.py" or path.parent.name != "hpcrun"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if SLURM_TOOLS.search(line)
+    ]
+    assert found == [], "SLURM command lines built outside hpcrun.slurm:\n" + "\n".join(found)

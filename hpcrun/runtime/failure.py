@@ -248,7 +248,7 @@ def requeue(run_dir: RunDir | None, job: str, restart: int, last_try: bool = Tru
 
 def _requeue(run_dir: RunDir | None, job: str, restart: int) -> str | None:
     """None once the job is requeued, else why it is not."""
-    shown = slurm.run(["scontrol", "show", "job", job])
+    shown = slurm.run(slurm.show_job(job))
     if shown.returncode != 0:
         raise HpcrunError(f"scontrol show job {job} failed: {one_line(shown)}")
     fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
@@ -262,11 +262,11 @@ def _requeue(run_dir: RunDir | None, job: str, restart: int) -> str | None:
     # `requeuehold` + `release`: killed in between, that would leave the job held for good.
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        done = slurm.run(["scontrol", "requeue", job])
+        done = slurm.run(slurm.requeue(job))
         if done.returncode != 0:
             raise HpcrunError(f"scontrol requeue {job} failed: {one_line(done)}")
         if excluded:
-            update = slurm.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"])
+            update = slurm.run(slurm.exclude_nodes(job, list(excluded)))
             if update.returncode != 0:
                 print(
                     f"[hpcrun] requeued {job}, but could not exclude {','.join(excluded)}: {one_line(update)}",
@@ -307,14 +307,14 @@ def one_line(out: tp.Any) -> str:
 
 def sacct_attempts(allocation_id: str) -> list[tuple[str, str]]:
     """(state, node list) of each start of the job, oldest first (a requeue adds one)."""
-    out = slurm.run(["sacct", "-X", "-D", "-n", "-P", "-j", allocation_id, "-o", "State,NodeList"])
+    out = slurm.run(slurm.attempt_states(allocation_id))
     if out.returncode != 0:
         raise HpcrunError(f"sacct -j {allocation_id} failed: {one_line(out)}")
     return [tuple(line.split("|")[:2]) for line in out.stdout.splitlines() if "|" in line]  # type: ignore[misc]
 
 
 def hostnames(node_list: str) -> list[str]:
-    out = slurm.run(["scontrol", "show", "hostnames", node_list])
+    out = slurm.run(slurm.hostnames(node_list))
     return (out.stdout.split() if out.returncode == 0 else []) or [node_list]
 
 
@@ -322,7 +322,7 @@ def lost_nodes(node_list: str) -> list[str]:
     """Of a NODE_FAIL attempt's nodes, those SLURM holds down now (all of them when none is:
     the node came back before we asked)."""
     nodes = hostnames(node_list)
-    answer = slurm.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"])
+    answer = slurm.run(slurm.node_states(list(nodes)))
     out = answer.stdout if answer.returncode == 0 else ""  # unknown: every node of the attempt
     down = sorted(
         {
@@ -335,7 +335,7 @@ def lost_nodes(node_list: str) -> list[str]:
 
 
 def partition_size(partition: str) -> int:
-    out = slurm.run(["scontrol", "show", "partition", partition])
+    out = slurm.run(slurm.show_partition(partition))
     found = re.search(r"TotalNodes=(\d+)", out.stdout) if out.returncode == 0 else None
     return int(found[1]) if found else 0  # unknown: no exclusion (it could leave too few nodes)
 
