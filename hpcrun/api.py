@@ -121,7 +121,7 @@ def submit(recipe: RecipeSource, site: str = "local", run_id: str | None = None,
     previous: str | None = None
     runs = []
     for spec in specs:
-        run = Run(backend.prepare(spec))
+        run = Run(backend.prepare(spec) if dry_run else backend.prepare_run(spec))
         runs.append(run)
         if dry_run:
             continue
@@ -138,7 +138,9 @@ def resume(run: Run) -> str:
     """Submit a run again: it continues from its newest complete checkpoint. Returns the job id."""
     from hpcrun import backend
 
-    return backend.submit(run.spec())
+    spec = run.spec()
+    backend.prepare_run(spec)
+    return backend.submit(spec)
 
 
 def runs(site: str = "local", target: str | None = None, many: bool = True) -> list[Run]:

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import sys
 import time
 import typing as tp
 from pathlib import Path
@@ -46,9 +47,15 @@ def prepare(spec: RunSpec, script: str | None = None) -> Path:
 
 
 def prepare_run(spec: RunSpec) -> Path:
-    """`prepare` for a run submitted on its own (`hpcrun submit`), refused first while the run's
-    latest job has not ended: that job reads runspec.json again when it is requeued."""
-    require_ended(RunDir(spec.run_dir))
+    """`prepare` for a run submitted on its own (`hpcrun submit --run-id`, `hpcrun resume`: a
+    sweep point's run gets a script of its own, not its array's), refused first while the run's
+    latest job has not ended: that job reads runspec.json again when it is requeued. A pending
+    submission is looked up first, so its job counts."""
+    run_dir = RunDir(spec.run_dir)
+    if run_dir.intent_file.exists():
+        with run_dir.submitting():
+            settle([run_dir])
+    require_ended(run_dir)
     return prepare(spec)
 
 
@@ -80,11 +87,15 @@ def settle(run_dirs: list[RunDir]) -> Settled:
         new = [job for job in tagged.get(str(intent["tag"]), []) if job not in known]
         age = time.time() - float(intent["at"])
         if new:
+            if len(new) > 1:  # an orphaned sbatch answered after all: both jobs write this run
+                comment = slurm.comment(str(intent["tag"]))
+                print(f"[hpcrun] warning: jobs {', '.join(new)} all carry --comment={comment} for {path}; "
+                      f"recording {new[-1]}: cancel the others", file=sys.stderr)
             settled.found[path] = _record(run_dir, new[-1], intent)
         elif age < INTENT_GRACE_S:
             settled.waiting[path] = INTENT_GRACE_S - age
         else:
-            run_dir.clear_intent()
+            run_dir.clear_intent(intent)
     return settled
 
 
@@ -145,7 +156,7 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
         try:
             require_sbatch(spec)
         except SubmissionError:  # nothing can be sent from here: a fresh run directory goes
-            if not run_dir.jobs():
+            if not run_dir.jobs() and run_dir.intent() is None:
                 shutil.rmtree(run_dir.path, ignore_errors=True)
             raise
     with run_dir.submitting():

@@ -113,9 +113,11 @@ def reconcile(ledger: Ledger, all_points: list[Point], outcome: Outcome) -> back
     for pid, spec in specs.items():
         entry = ledger.points.get(pid, {})
         job = settled.found.get(Path(spec.run_dir))
-        if job is None and entry.get("state") == "submitting":  # hpcrun stopped after the run dir's record?
+        if job is None and entry.get("state") == "submitting":
+            # the array's own record (hpcrun stopped after it), or a job the run got since (hpcrun resume)
             latest = RunDir(spec.run_dir).latest_job()
-            job = str(latest["job_id"]) if latest and latest.get("tag") == entry.get("tag") else None
+            if latest and (latest.get("tag") == entry.get("tag") or str(latest["job_id"]) != str(entry.get("job_id"))):
+                job = str(latest["job_id"])
         if job is not None:
             if entry.get("state") == "submitting":
                 outcome.found.append((str(entry.get("label", pid)), job))

@@ -8,7 +8,7 @@ import os
 import signal
 from pathlib import Path
 
-from hpcrun import slurm
+from hpcrun import backend, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
 from hpcrun.status import controller_alive, statuses
@@ -36,6 +36,9 @@ def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path]
     dir, job id) pairs cancelled, the run dirs with no job to cancel (dry runs), and the (run
     dir, job id, state) of those whose job had already ended, which are left alone."""
     cancelled, on_slurm, skipped, ended = [], [], [], []
+    pending = [RunDir(d) for d in run_dirs if RunDir(d).intent_file.exists()]
+    if pending:  # a submission whose answer was lost: SLURM may hold its job, which is cancelled too
+        backend.settle(pending)
     current = {s.run_id: s for s in statuses(run_dirs, max_age=0)}  # fresh: a job may have ended a moment ago
     for run_dir in run_dirs:
         job = RunDir(run_dir).latest_job()

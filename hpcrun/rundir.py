@@ -279,9 +279,12 @@ class RunDir:
         answer is lost, the next submission looks the job up by its tag instead of doubling it."""
         write_json(self.intent_file, {"tag": tag, "at": time.time(), "script": str(script), **extra})
 
-    def clear_intent(self) -> None:
-        """The pending submission is known not to have created a job."""
-        self.intent_file.unlink(missing_ok=True)
+    def clear_intent(self, read: dict[str, tp.Any] | None = None) -> None:
+        """The pending submission is known not to have created a job. With `read`: only if the
+        intent is still that one (another submission may have written its own since)."""
+        with lock(self.jobs_file):
+            if read is None or self.intent() == read:
+                self.intent_file.unlink(missing_ok=True)
 
     def submitting(self) -> FileLock:
         """Held from reading the intent to recording the job: one submission of a run at a time."""

@@ -21,6 +21,7 @@ from tests.runs import site_copy
 # The ranks' step: says it started, runs until the stop reaches it (the stub scancel leaves a
 # file), then exits 7 with srun's message for a failed task, so the failure step must follow.
 SRUN = """#!/bin/bash
+trap '' USR2 TERM  # a real srun handles these itself (it forwards them), it does not die of them
 case " $* " in
   *" -m hpcrun.runtime.failure "*) echo "failure step: ${@: -1}" >>"$FAKE_DIR/log"; exit 0 ;;
 esac
@@ -41,7 +42,10 @@ def stub(bindir: Path, name: str, text: str) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
-def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, tmp_path: Path) -> None:
+@pytest.mark.parametrize("whole", [False, True], ids=["shell", "every-process"])
+def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, whole: bool, tmp_path: Path) -> None:
+    """`whole`: the signal reaches every process of the batch step, as `scancel --full` sends it
+    (the stub srun, like a real one, lives on: the script's own subshell and tee must too)."""
     site = site_copy(tmp_path, "testcluster")
     script = cli("render", "--site", str(site), "--run-id", "r-sig", "jobs/quickstart.yaml").stdout
     assert script.startswith("#!/bin/bash"), script
@@ -53,13 +57,16 @@ def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, 
     stub(bindir, "scontrol", "#!/bin/sh\necho node1\n")
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "HOME": str(tmp_path),
            "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "node1"}
-    shell = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=env, cwd=tmp_path,
+    shell = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=env, cwd=tmp_path, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not (tmp_path / "started").exists() and time.monotonic() < deadline and shell.poll() is None:
         time.sleep(0.05)
     assert (tmp_path / "started").exists(), shell.communicate()
-    os.kill(shell.pid, sig)  # the batch shell alone, as `scancel --batch` signals it
+    if whole:
+        os.killpg(shell.pid, sig)
+    else:
+        os.kill(shell.pid, sig)  # the batch shell alone, as `scancel --batch` signals it
     _, err = shell.communicate(timeout=30)
     # the shell lived on: the step got the stop (steps only: no --batch, no --full), ended, and
     # the script went on to its failure step and ended with the step's status

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,37 @@ def test_retry_failed_resubmits_only_failed_points(ended: str, tmp_path: Path) -
     retry = subprocess.run(cmd + ["--retry-failed"], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert "submitted 1 point(s); 7 already submitted" in retry.stdout, retry.stdout + retry.stderr
     assert len((tmp_path / "submitted").read_text().splitlines()) == 9
+
+
+def test_resuming_a_point_sends_its_own_script_and_the_sweep_adopts_its_job(tmp_path: Path) -> None:
+    """`hpcrun resume` of one sweep point submits a script of its own (its array's would start
+    every point again), and the next `hpcrun sweep` records that job for the point, whose array's
+    answer was lost, instead of submitting it a second time."""
+    bindir = tmp_path / "bin"
+    sbatch = FAKE_SBATCH + 'cp "$script" "$FAKE_DIR/script-$id"\n'
+    lost_first = 'if [ ! -e "$FAKE_DIR/once" ]; then touch "$FAKE_DIR/once"; exec >/dev/null; fi\n'  # no answer
+    fake_tools(bindir, sbatch=lost_first + sbatch, srun="exit 0", scontrol='echo "MaxArraySize            = 1001"',
+               sacctmgr="exit 0", squeue="exit 0", sacct="exit 0")
+    site = site_copy(tmp_path, "testcluster")
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
+
+    def hpcrun(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hpcrun.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+
+    first = hpcrun("sweep", "--site", str(site), "jobs/gpt-strategies.yaml")
+    assert first.returncode == 2 and "SLURM shows no job" in first.stderr, first  # the array's answer is lost
+    ledger = json.loads(next((tmp_path / "runs" / "sweeps").glob("*/ledger.json")).read_text())
+    point, entry = next(iter(ledger["points"].items()))
+    assert entry["state"] == "submitting"
+    for intent in (tmp_path / "runs").glob("*/submitting.json"):  # past the wait for a late answer
+        intent.write_text(json.dumps({**json.loads(intent.read_text()), "at": time.time() - 600}))
+    resumed = hpcrun("resume", "--site", str(site), entry["run_id"])
+    assert resumed.returncode == 0, resumed
+    job = resumed.stdout.split("as job ")[1].strip()
+    script = (tmp_path / f"script-{job}").read_text()
+    assert "#SBATCH --array" not in script and f"#SBATCH --comment=hpcrun:{entry['run_id']}" in script
+    again = hpcrun("sweep", "--site", str(site), "jobs/gpt-strategies.yaml")
+    ledger = json.loads(next((tmp_path / "runs" / "sweeps").glob("*/ledger.json")).read_text())
+    assert ledger["points"][point]["job_id"] == job and ledger["points"][point]["state"] == "submitted", (ledger, again)

@@ -169,7 +169,9 @@ def resume(site_name: str, run: str, wait: bool) -> None:
     from hpcrun import backend
 
     run_dir = one_run(site_name, run)
-    job_id = backend.submit(backend.load_spec(run_dir))
+    spec = backend.load_spec(run_dir)
+    backend.prepare_run(spec)
+    job_id = backend.submit(spec)
     click.echo(f"resubmitted {run_dir.name} as job {job_id}")
     if wait:
         follow([run_dir])

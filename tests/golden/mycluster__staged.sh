@@ -53,9 +53,12 @@ exec 3>&1
 # (scancel --signal without --batch/--full signals the steps only), which save and requeue.
 # bash runs a trap only between commands, so srun runs in the background and is waited for
 # until its subshell is gone (a trapped signal ends `wait` early); the subshell keeps its status.
+# The subshell and tee ignore the signals (`--full` sends them to every process of this step):
+# killed, the step's status would be lost while the ranks still save. srun sets its own handlers.
 trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
-( set +e
+( trap '' USR2 TERM
+  set +e
   srun --unbuffered --kill-on-bad-exit=1 \
   --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   python -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee "$srun_stderr" >&2
