@@ -61,6 +61,7 @@ TABLE: dict[str, JobState] = {s.name: s for s in (
     JobState("UNKNOWN", _P, "hpcrun: accounting holds no record of it yet (just submitted)"),
     JobState("LEFT_QUEUE", _F, "hpcrun: gone from squeue without a word from the run (no accounting)"),
     JobState("RESUMABLE", _F, "hpcrun: stopped after saving a checkpoint; `hpcrun resume` continues it"),
+    JobState("SUBMITTING", _P, "hpcrun: sent; sbatch's answer not recorded yet (looked up at the next submit)"),
 )}
 
 COMPLETED, FAILED, RUNNING, COMPLETING, NODE_FAIL = "COMPLETED", "FAILED", "RUNNING", "COMPLETING", "NODE_FAIL"

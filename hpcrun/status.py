@@ -204,7 +204,10 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
     for run_dir in run_dirs:
         job = latest.get(run_dir)
         if job is None:
-            result.append(None)
+            intent = RunDir(run_dir).intent()  # sent, its answer lost: SLURM may hold it (hpcrun.backend.settle)
+            why = "sbatch's answer is not recorded; the next submit, resume or sweep looks the job up"
+            pending = RunStatus(run_dir.name, "?", "SUBMITTING", reason=why, source="intent")
+            result.append(None if intent is None else pending)
             continue
         mark = marker(run_dir)
         own = mark if mark.get("job_id") == job["job_id"] else {}

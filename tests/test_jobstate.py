@@ -25,7 +25,7 @@ STOPPED SUSPENDED TIMEOUT""".split()
 
 def test_the_table_holds_every_slurm_state_and_hpcrun_s_own() -> None:
     assert set(SLURM_STATES) <= set(jobstate.TABLE)
-    assert set(jobstate.TABLE) - set(SLURM_STATES) == {"UNKNOWN", "LEFT_QUEUE", "RESUMABLE"}
+    assert set(jobstate.TABLE) - set(SLURM_STATES) == {"UNKNOWN", "LEFT_QUEUE", "RESUMABLE", "SUBMITTING"}
     assert all(s.meaning for s in jobstate.TABLE.values())
 
 
@@ -95,3 +95,17 @@ def test_wait_ends_without_timeout_once_runs_end(tools: Path, tmp_path: Path) ->
 def test_timeout_without_wait_is_refused(tmp_path: Path) -> None:
     out = cli("status", "--site", str(site_copy(tmp_path, "testcluster")), "--timeout", "3")
     assert out.exit_code == 2 and out.output.strip() == "Error: --timeout: --timeout only bounds --wait", out.output
+
+
+def test_a_run_whose_sbatch_answer_was_lost_shows_as_submitting(tmp_path: Path) -> None:
+    """Only an intent (submitting.json), no job recorded: `hpcrun status` names the run and says
+    what happens next, rather than leaving it out as if it were a dry run."""
+    from tests.helpers import cli
+
+    run_dir = tmp_path / "lost-1"
+    run_dir.mkdir()
+    (run_dir / "runspec.json").write_text("{}")
+    (run_dir / "submitting.json").write_text(json.dumps({"tag": "lost-1", "at": 1.0, "script": "x.sh"}))
+    out = cli("status", str(run_dir))
+    assert out.exit_code == 0, out.output
+    assert "lost-1" in out.output and "SUBMITTING" in out.output and "looks the job up" in out.output, out.output
