@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -308,6 +309,41 @@ def test_status_with_a_failing_squeue_is_one_line(bare_path: Path, tmp_path: Pat
 
 
 # --- a checkpoint manifest that cannot be read is an error, not "no checkpoint" -------------------
+def test_a_manifest_this_user_may_not_read_is_an_error() -> None:
+    """EACCES itself (root reads everything, so the reader runs as uid 65534): the newest
+    manifest is named as unreadable, never skipped for the older checkpoint."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from hpcrun.rundir import MANIFEST, step_dir
+    from tests.slurmstats import run_as
+
+    root = Path(tempfile.mkdtemp(prefix="hpcrun-eacces-")) / "checkpoints"
+    try:
+        root.parent.chmod(0o755)
+        for step in (2, 4):
+            step_dir(root, step).mkdir(parents=True)
+            (step_dir(root, step) / MANIFEST).write_text(json.dumps({"complete": True, "step": step}))
+        (step_dir(root, 4) / MANIFEST).chmod(0o000)
+        code = "import sys; from hpcrun.runtime.checkpoint import latest; print(latest(__import__('pathlib').Path(sys.argv[1])))"
+        out = subprocess.run(
+            [*run_as("65534"), sys.executable, "-c", code, str(root)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(root.parent)},
+            timeout=120,
+        )
+        assert out.returncode != 0 and "CorruptStateError" in out.stderr, (out.returncode, out.stdout, out.stderr)
+        named = f"{step_dir(root, 4) / MANIFEST}: corrupt state file, refusing to guess its content (unreadable: "
+        assert named in out.stderr and "Permission denied" in out.stderr, out.stderr
+        assert "step-00000002" not in out.stdout
+    finally:
+        shutil.rmtree(root.parent)
+
+
 def test_an_unreadable_manifest_is_an_error_not_an_older_checkpoint(tmp_path: Path) -> None:
     """Only a missing manifest means incomplete. One that cannot be read (here a directory where
     the file should be: EISDIR, as EIO, EACCES or ESTALE would be on a shared filesystem) or
