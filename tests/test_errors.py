@@ -327,7 +327,7 @@ def test_a_manifest_this_user_may_not_read_is_an_error() -> None:
             step_dir(root, step).mkdir(parents=True)
             (step_dir(root, step) / MANIFEST).write_text(json.dumps({"complete": True, "step": step}))
         (step_dir(root, 4) / MANIFEST).chmod(0o000)
-        code = "import sys, pathlib; from hpcrun.runtime.checkpoint import latest; print(latest(pathlib.Path(sys.argv[1])))"
+        code = "import sys, pathlib, hpcrun.runtime.checkpoint as c; print(c.latest(pathlib.Path(sys.argv[1])))"
         out = subprocess.run(
             [*run_as("65534"), sys.executable, "-c", code, str(root)],
             capture_output=True,
