@@ -24,7 +24,7 @@ quota by a tick and repay it afterwards. A 5 ms probe on a process held to a ten
 4 to 70 ms (often as fast as an unthrottled one: seen never naming it under load); a 40 ms probe
 took 300 to 400 ms every time, 3x or more an unthrottled one's on the same busy machine.
 
-What it costs: one probe per flush (default every 30 s or 100 steps), and no more often than
+What it costs: one probe per flush (default every 30 s or 1000 steps), and no more often than
 keeps the probes within `fault.straggler_probe_share` of the ranks' time (default 0.5%: at a CPU
 rank's ~40 ms, one every 8 s; at 4 ranks sharing 2 cores, ~80 ms and one every 16 s), measured
 from the previous probe's median time on every rank, and never more often than PROBE_EVERY_S
