@@ -109,9 +109,13 @@ def load(recipe: RecipeSource) -> RecipeFile:
     return load_recipe(recipe)
 
 
-def submit(recipe: RecipeSource, site: str = "local", run_id: str | None = None, dry_run: bool = False) -> list[Run]:
-    """Submit a recipe (stages in order, each depending on the one before); returns its runs.
-    `dry_run` writes the run directories and scripts and submits nothing."""
+def submit(
+    recipe: RecipeSource, site: str = "local", run_id: str | None = None, dry_run: bool = False,
+    on_each: tp.Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Submit a recipe (stages in order, each depending on the one before); returns its runs, and
+    hands each to `on_each` as it goes out. `dry_run` writes the run directories and scripts and
+    submits nothing. A run whose latest job has not ended is refused before its files change."""
     from hpcrun import backend
     from hpcrun.plan import new_run_id, runs_of
     from hpcrun.site import load_site
@@ -121,12 +125,13 @@ def submit(recipe: RecipeSource, site: str = "local", run_id: str | None = None,
     previous: str | None = None
     runs = []
     for spec in specs:
-        run = Run(backend.prepare(spec) if dry_run else backend.prepare_run(spec))
+        run = Run(backend.prepare_run(spec))
         runs.append(run)
-        if dry_run:
-            continue
-        dependency = f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None
-        previous = backend.submit(spec, dependency)
+        if not dry_run:
+            dependency = f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None
+            previous = backend.submit(spec, dependency)
+        if on_each is not None:
+            on_each(run)
     return runs
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import typing as tp
 from pathlib import Path
 
 import click
@@ -19,40 +18,27 @@ from hpcrun.errors import HpcrunError
 @click.option("--run-id", default=None, help="Use this run id (re-using an unfinished run's id continues it).")
 def submit(site_name: str, recipe: Path, dry_run: bool, wait: bool, run_id: str | None) -> None:
     """Submit RECIPE to a site (stages in order, with dependencies)."""
-    from hpcrun import backend
-    from hpcrun.plan import new_run_id, runs_of
-    from hpcrun.recipe import load_recipe
+    from hpcrun import api
     from hpcrun.rundir import RunDir
     from hpcrun.site import load_site
 
     site = load_site(site_name)
-    recipe_file = load_recipe(recipe)
-    specs = runs_of(site, recipe_file, run_id or new_run_id(recipe_file.base.name))
-    previous: str | None = None
-    submitted = []
-    for spec in specs:
-        run_dir = backend.prepare_run(spec)
+
+    def said(run: api.Run) -> None:  # as each goes out: a later stage's refusal keeps the earlier lines
         if dry_run:
-            click.echo(f"dry run: {RunDir(run_dir).script}")
-            continue
-        dependency = (
-            f"{_dependency(recipe_file, spec)}:{previous}" if previous and spec.stage else None
-        )  # stages run in order
-        job_id = backend.submit(spec, dependency)
-        previous = job_id
-        submitted.append(run_dir)
-        click.echo(f"submitted {spec.run_id} as job {job_id} ({site.name})\n  run dir: {run_dir}")
-    if submitted and not dry_run:
+            click.echo(f"dry run: {RunDir(run.path).script}")
+        else:
+            click.echo(f"submitted {run.run_id} as job {run.job_id} ({site.name})\n  run dir: {run.path}")
+
+    runs = api.submit(recipe, site_name, run_id=run_id, dry_run=dry_run, on_each=said)
+    submitted = [] if dry_run else runs
+    if submitted:
         click.echo(
-            f"  follow:  hpcrun status --site {site.name} {submitted[-1].name}; "
-            f"hpcrun logs --site {site.name} {submitted[-1].name} --follow"
+            f"  follow:  hpcrun status --site {site.name} {submitted[-1].run_id}; "
+            f"hpcrun logs --site {site.name} {submitted[-1].run_id} --follow"
         )
     if wait and submitted:
-        follow(submitted)
-
-
-def _dependency(recipe_file: tp.Any, spec: tp.Any) -> str:
-    return str(next(stage.dependency for stage, _ in recipe_file.stages if stage.name == spec.stage))
+        follow([run.path for run in submitted])
 
 
 class WaitTimeout(HpcrunError):
@@ -166,12 +152,10 @@ def sweep(site_name: str, recipe: Path, dry_run: bool, retry_failed: bool) -> No
 def resume(site_name: str, run: str, wait: bool) -> None:
     """Submit RUN again; it continues from its newest complete checkpoint. Refused while the
     run's latest job has not ended."""
-    from hpcrun import backend
+    from hpcrun import api
 
     run_dir = one_run(site_name, run)
-    spec = backend.load_spec(run_dir)
-    backend.prepare_run(spec)
-    job_id = backend.submit(spec)
+    job_id = api.resume(api.Run(run_dir))
     click.echo(f"resubmitted {run_dir.name} as job {job_id}")
     if wait:
         follow([run_dir])
