@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hpcrun import rundir
-from hpcrun.rundir import atomic_path, compact_lock
+from hpcrun.rundir import CorruptStateError, atomic_path, compact_lock, read_json, write_json
 from hpcrun.steps import load_steps, resolve_dir
 from hpcrun.tables import arrow_table, conform
 
@@ -142,7 +142,12 @@ def compact_when_many(results_dir: str | Path, limit: int = AUTO_COMPACT_FILES) 
     `limit` small files plus the merged ones. A compaction that fails (a read-only results
     directory, say) is a warning: the read goes on."""
     directory = Path(results_dir)
-    if len(files(directory)) <= limit or not os.access(directory, os.W_OK | os.X_OK):
+    try:
+        left = set(read_json(rundir.compact_left(directory), []) or [])
+    except CorruptStateError:  # only spares a merge that merges nothing: a bad copy costs one merge
+        left = set()
+    waiting = [p for p in files(directory) if str(p.relative_to(directory)) not in left]
+    if len(waiting) <= limit or not os.access(directory, os.W_OK | os.X_OK):
         return  # a read-only results directory is read as it is
     try:
         compact(directory, wait=False)
@@ -272,7 +277,7 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
     except filelock.Timeout:
         return 0, 0
     try:
-        tables, merged_paths = [], []
+        tables, merged_paths, left = [], [], []
         for path in files(directory):
             try:
                 data, newer = read_one(path)
@@ -283,12 +288,16 @@ def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:
                     set_aside(directory, path, str(exc))
                 else:
                     warnings.warn(f"{path}: {exc}; left as it is, not merged", stacklevel=2)
+                    left.append(path)
                 continue
             # a newer hpcrun's file stays as it is (merging it here would drop its new columns), and so does one
             # this user may not remove: merging it would leave its rows twice, and merge them again at every read
             if not newer and removable(path):
                 tables.append(data)
                 merged_paths.append(path)
+            else:
+                left.append(path)
+        write_json(rundir.compact_left(directory), sorted(str(p.relative_to(directory)) for p in left))
         if len(merged_paths) <= 1:
             return 0, 0
         merged = _unique(pa.concat_tables(tables))

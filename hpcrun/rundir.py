@@ -394,6 +394,12 @@ def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
     return f"{nvme_base}/hpcrun-{allocation_id}"
 
 
+def compact_left(results_dir: Path) -> Path:
+    """The files the last compaction left as they are (a newer hpcrun's, unreadable ones it may
+    not move, others' it may not remove): readers do not count them towards the next one."""
+    return results_dir / COMPACT_LEFT
+
+
 def compact_lock(results_dir: Path) -> FileLock:
     """The lock that keeps two compactions of one results directory from merging the same files."""
     return FileLock(str(results_dir / COMPACT_LOCK))
@@ -403,3 +409,4 @@ HEARTBEATS = "heartbeats"
 FLIGHT_RECORDER = "flight-recorder"
 CONSOLIDATED = "consolidated"
 COMPACT_LOCK = ".compact.lock"
+COMPACT_LEFT = ".compact-left.json"

@@ -317,3 +317,28 @@ def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
     assert "warning: strategy=zero3+nvme, nodes=1 averages runs that differ in model" in out.stderr
     shown = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes").stdout
     assert "12 k" in shown and "9.92 k" in shown and "e+0" not in shown, shown
+
+
+def test_files_compaction_leaves_do_not_make_every_read_compact(tmp_path: Path) -> None:
+    """Files a compaction must leave as they are (here a column of another type: not merged, a
+    warning each time it is read for merging) do not count towards the next compaction, so a
+    directory with more of them than the limit is not merged again at every read."""
+    from hpcrun.results import compact_when_many
+
+    for i in range(4):
+        odd = table([row(attempt_id=f"odd-{i}")]).set_column(
+            list(COLUMNS).index("nodes"), "nodes", pa.array(["two"])
+        )  # a string where hpcrun writes an integer
+        pq.write_table(odd, tmp_path / f"r{i}__1__0__odd.parquet")
+    with pytest.warns(UserWarning, match="left as it is, not merged"):
+        compact_when_many(tmp_path, limit=3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second merge attempt would warn again
+        compact_when_many(tmp_path, limit=3)
+    for i in range(4):
+        write_attempt(tmp_path, row(attempt_id=f"new-{i}"))
+    with pytest.warns(UserWarning, match="left as it is, not merged"):  # four new files: time to merge
+        compact_when_many(tmp_path, limit=3)
+    assert sum(p.name.startswith("compacted-") for p in files(tmp_path)) == 1
