@@ -56,5 +56,5 @@ def cancel_all(run_dirs: list[Path]) -> tuple[list[tuple[Path, str]], list[Path]
     if on_slurm:
         out = slurm.run(slurm.scancel([j for _, j in on_slurm]))
         if out.returncode != 0:
-            raise HpcrunError(f"scancel failed: {out.stderr.strip() or out.stdout.strip()}")
+            raise HpcrunError(f"scancel failed: {slurm.said(out)}")
     return cancelled + on_slurm, skipped, ended

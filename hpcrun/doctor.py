@@ -162,7 +162,7 @@ def login_checks(site: Site, script: str) -> list[Finding]:
             Finding(
                 "fail",
                 "sbatch --test-only",
-                test.stderr.strip() or test.stdout.strip(),
+                slurm.said(test),
                 f"check the partition, account and limits in {where}",
             )
         )

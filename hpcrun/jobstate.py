@@ -66,6 +66,7 @@ TABLE: dict[str, JobState] = {s.name: s for s in (
 
 COMPLETED, FAILED, RUNNING, COMPLETING, NODE_FAIL = "COMPLETED", "FAILED", "RUNNING", "COMPLETING", "NODE_FAIL"
 UNKNOWN, LEFT_QUEUE, RESUMABLE, REQUEUED = "UNKNOWN", "LEFT_QUEUE", "RESUMABLE", "REQUEUED"
+SUBMITTING = "SUBMITTING"
 
 # state.json's `status` (the runtime's word on an attempt) -> the state it stands for when
 # the scheduler says nothing (local runs, a cluster without accounting); any other (`requeueing`:

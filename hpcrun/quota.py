@@ -228,6 +228,6 @@ def _ask(cmd: list[str], why: str, empty_when: str | None = None) -> str:
     if out.returncode != 0:
         raise HpcrunError(
             f"{cmd[0]} failed ({why} for the sweep): "
-            f"{out.stderr.strip() or out.stdout.strip() or f'exit status {out.returncode}'}"
+            f"{slurm.said(out) or f'exit status {out.returncode}'}"
         )
     return out.stdout

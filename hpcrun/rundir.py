@@ -296,11 +296,8 @@ class RunDir:
         state = read_json(self.state_file, {})
         if not isinstance(state, dict):
             raise CorruptStateError(self.state_file, "not a JSON object")
-        for key, kind in (
-            ("failed_nodes", list),
-            ("excluded_nodes", list),
-            ("slow_ranks", dict),
-        ):  # what the run learnt
+        learnt = (("failed_nodes", list), ("excluded_nodes", list), ("slow_ranks", dict))  # what the run learnt
+        for key, kind in learnt:
             if not isinstance(state.get(key) or kind(), kind):
                 raise CorruptStateError(self.state_file, f"{key} is not a JSON {'list' if kind is list else 'object'}")
         return state

@@ -126,7 +126,7 @@ def sbatch(script: Path, dependency: str | None = None, timeout: float | None = 
             raise LostAnswer(exc.message) from exc
         raise
     if out.returncode != 0:
-        lines = (out.stderr.strip() or out.stdout.strip()).splitlines()
+        lines = said(out).splitlines()
         refusal = next((line.strip() for line in lines if "error" in line.lower()), None)
         if refusal is None or any(word in refusal.lower() for word in UNSURE):
             raise LostAnswer(f"sbatch exited {out.returncode} with no clear refusal ({refusal or 'no message'})")
@@ -174,7 +174,7 @@ def _squeue_submissions() -> list[tuple[str, float, str, str]]:
     """(job or array id, submit time, comment, script) of every job of this user slurmctld holds."""
     out = run(["squeue", "-h", "-u", user(), "-t", "all", "-o", "%F|%V|%k|%o"])
     if out.returncode != 0:
-        raise HpcrunError(f"squeue failed, so a lost submission cannot be looked up: {_said(out)}")
+        raise HpcrunError(f"squeue failed, so a lost submission cannot be looked up: {said(out)}")
     # the comment cannot hold "|" (slurm.comment), the script path can: split from the left
     rows = [row for row in (line.split("|", 3) for line in out.stdout.splitlines()) if len(row) == 4]
     return [(job, _when(submitted), text, command) for job, submitted, text, command in rows]
@@ -187,15 +187,21 @@ def _sacct_submissions(since: float) -> list[tuple[str, float, str, str]]:
     fields = "JobID,Submit,Comment,SubmitLine"
     out = run(["sacct", "-X", "-n", "-P", "-u", user(), "-S", start, "-E", "now", "-o", fields])
     if out.returncode != 0:
-        if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
+        if accounting_disabled(out):
             return []
-        raise HpcrunError(f"sacct failed, so a lost submission cannot be looked up: {_said(out)}")
+        raise HpcrunError(f"sacct failed, so a lost submission cannot be looked up: {said(out)}")
     rows = [row for row in (line.split("|", 3) for line in out.stdout.splitlines()) if len(row) == 4]
     return [(job.split("_")[0], _when(submitted), text, line) for job, submitted, text, line in rows]
 
 
-def _said(out: subprocess.CompletedProcess[str]) -> str:
+def said(out: subprocess.CompletedProcess[str]) -> str:
+    """What a SLURM tool said: its error output, else its output."""
     return out.stderr.strip() or out.stdout.strip()
+
+
+def accounting_disabled(out: subprocess.CompletedProcess[str]) -> bool:
+    """sacct's answer on a cluster without slurmdbd."""
+    return "accounting storage is disabled" in (out.stderr + out.stdout).lower()
 
 
 # The command lines hpcrun sends to SLURM, each built here once; callers run them with `run` and

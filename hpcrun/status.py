@@ -72,9 +72,9 @@ def _ask_sacct(job_ids: list[str]) -> str:
     for group in id_groups(job_ids):
         out = slurm.run(slurm.sacct_states(group))
         if out.returncode != 0:
-            if "accounting storage is disabled" in (out.stderr + out.stdout).lower():
+            if slurm.accounting_disabled(out):
                 return NO_ACCOUNTING
-            raise HpcrunError(f"sacct failed: {out.stderr.strip() or out.stdout.strip()}")
+            raise HpcrunError(f"sacct failed: {slurm.said(out)}")
         text += out.stdout
     return text
 
@@ -112,7 +112,7 @@ def _ask_squeue(job_ids: list[str]) -> str:
     for group in id_groups(job_ids):
         out = slurm.run(slurm.squeue_states(group))
         if out.returncode != 0 and "invalid job id" not in out.stderr.lower():  # every job already left the queue
-            raise HpcrunError(f"squeue failed: {out.stderr.strip() or out.stdout.strip()}")
+            raise HpcrunError(f"squeue failed: {slurm.said(out)}")
         text += out.stdout
     return text
 
@@ -206,7 +206,7 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
         if job is None:
             intent = RunDir(run_dir).intent()  # sent, its answer lost: SLURM may hold it (hpcrun.backend.settle)
             why = "sbatch's answer is not recorded; the next submit, resume or sweep looks the job up"
-            pending = RunStatus(run_dir.name, "?", "SUBMITTING", reason=why, source="intent")
+            pending = RunStatus(run_dir.name, "?", jobstate.SUBMITTING, reason=why, source="intent")
             result.append(None if intent is None else pending)
             continue
         mark = marker(run_dir)

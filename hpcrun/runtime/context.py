@@ -127,9 +127,8 @@ class Context:
         finally:
             watchdog_cpu = watchdog.stop()
             recorder.close()
-            if (
-                self.measured.step_times
-            ):  # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
+            # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
+            if self.measured.step_times:
                 stepped, own = sum(self.measured.step_times), sum(self.own_s.values())
                 shares = ", ".join(f"{part} {100 * s / stepped:.3f}%" for part, s in self.own_s.items())
                 self.info(

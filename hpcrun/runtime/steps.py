@@ -215,9 +215,8 @@ class StepRecorder:
             return
         times, losses = gathered[:, : len(sampled)], gathered[:, len(sampled):]
         spread: dict[int, tuple[float, float, float, int]] = {}
-        if (
-            sampled
-        ):  # every sampled step's min, median, max and slowest rank at once (one op per statistic, not per step)
+        # every sampled step's min, median, max and slowest rank at once (one op per statistic, not per step)
+        if sampled:
             columns = zip(
                 times.min(0).values.tolist(),
                 times.quantile(0.5, dim=0).tolist(),
@@ -230,9 +229,8 @@ class StepRecorder:
         )
         seq, self.seq = self.seq, self.seq + 1
         losses_now = mean_loss.tolist()
-        self.writer.submit(
-            lambda: self._write(self._rows(batch, spread, losses_now), seq)
-        )  # rows built off the training thread
+        # rows built off the training thread
+        self.writer.submit(lambda: self._write(self._rows(batch, spread, losses_now), seq))
 
     def _rows(self, batch: list[Pending], spread: dict[int, tuple[float, float, float, int]],
               mean_loss: list[float]) -> list[dict[str, tp.Any]]:
