@@ -14,6 +14,7 @@ and field, as on the command line). Nothing here imports torch: it runs on a log
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing as tp
 from pathlib import Path
 
@@ -153,8 +154,6 @@ def runs(site: str = "local", target: str | None = None, many: bool = True) -> l
     id (an exact match wins), a sweep id or a staged submission's id (with `many`: all of its
     runs), or a prefix matching one run. A prefix matching several is refused with the candidates:
     taking the first would act on a run the caller did not mean. No target: every run (`many`)."""
-    import os
-
     from hpcrun.site import load_site
 
     if target and (os.sep in target or RunDir(target).is_run()):

@@ -180,13 +180,19 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
         except slurm.LostAnswer:
             raise
         except SubmissionError:
-            run_dir.clear_intent()
-            if not earlier:
-                shutil.rmtree(run_dir.path, ignore_errors=True)
+            _not_sent(run_dir, bool(earlier))
             raise
         if spec.site.scheduler == "local":
             run_dir.record_job(job_id, "local")
         return job_id
+
+
+def _not_sent(run_dir: RunDir, submitted_before: bool) -> None:
+    """A submission SLURM refused: its intent goes, and so does a run directory made for it alone
+    (one submitted before keeps its history and checkpoints)."""
+    run_dir.clear_intent()
+    if not submitted_before:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
 
 
 def _sbatch_or_find(run_dirs: list[RunDir], dependency: str | None = None) -> list[str]:
@@ -241,9 +247,7 @@ def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | N
             raise
         except SubmissionError:
             for run_dir, retried in zip(run_dirs, earlier):
-                run_dir.clear_intent()
-                if not retried:  # a retried point keeps its history and checkpoints
-                    shutil.rmtree(run_dir.path, ignore_errors=True)
+                _not_sent(run_dir, retried)
             raise
 
 
