@@ -64,7 +64,7 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     wait_checkpoint(run_dir)
     assert faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3]
     node = faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
-    gone = wait_gone(job, 0)
+    gone = wait_gone(job, 0)  # every rank of the attempt gone within 30 s, not one requeue per rank
     faults.rank_pid(job, 0, timeout=60, attempt=1)
     launched = time.time()  # within 0.5 s (rank_pid's polling)
     final = wait_done(run_dir, timeout=240)
@@ -72,6 +72,7 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     assert final.get("restarts_in_job") == 1, final
     assert records(job) == ["COMPLETED"], records(job)  # one job attempt: never back through the queue
     table = rows(tmp_path, run_dir)
+    assert len(table) == 2 and len(table[table.restart_count == 0]) == 1, table[["restart_count", "status"]]
     failed = table[table.restart_count == 0].iloc[0]
     assert failed["status"] == "failed" and f"rank 3 on {node}" in failed["reason"], failed["reason"]
     assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 2)" in failed["reason"], failed["reason"]

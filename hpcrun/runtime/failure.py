@@ -237,7 +237,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     step_nodes = (os.environ.get("HPCRUN_STEP_NODES") or "").split(",") if os.environ.get("HPCRUN_STEP_NODES") else []
     row = {**plan_row(spec, job_id, restart, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
     cap = spec.recipe.checkpoint.max_requeues
-    in_job = int(os.environ.get("HPCRUN_RESTARTS_jobstate.IN_JOB") or 0)
+    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
     next_file = os.environ.get("HPCRUN_NEXT_NODES")
     may_restart = bool(next_file) and in_job < spec.recipe.fault.restarts_in_job
     lost = lost_step_nodes(step_nodes, srun_stderr) if may_restart else []
