@@ -140,6 +140,8 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             "resources.partition",
         )
     part = site.partitions[part_name]
+    if res.spare_nodes and site.scheduler != "slurm":
+        raise HpcrunError("spare nodes need a SLURM site (a local run has one machine)", where, "resources.spare_nodes")
     if res.nodes + res.spare_nodes > part.max_nodes:
         spares = f" + {res.spare_nodes} spare" if res.spare_nodes else ""
         raise HpcrunError(
@@ -147,8 +149,6 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             where,
             "resources.spare_nodes" if res.spare_nodes and res.nodes <= part.max_nodes else "resources.nodes",
         )
-    if res.spare_nodes and site.scheduler != "slurm":
-        raise HpcrunError("spare nodes need a SLURM site (a local run has one machine)", where, "resources.spare_nodes")
     if res.spare_nodes and not recipe.fault.restarts_in_job:
         raise HpcrunError("spare nodes are used only by restarts inside the job: set fault.restarts_in_job",
                           where, "resources.spare_nodes")

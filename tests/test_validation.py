@@ -122,6 +122,16 @@ RECIPE_CASES = [
         lambda d: d["resources"].update(gpus_per_node=9),
         "resources.gpus_per_node: must be <= 8, the GPUs per node",
     ),
+    (
+        "spares past the partition",
+        lambda d: d["resources"].update(nodes=63, spare_nodes=2),
+        "resources.spare_nodes: must be <= 64, the most partition 'gpu' allows (got 63 + 2 spare)",
+    ),
+    (
+        "spares without restarts in the job",
+        lambda d: (d["resources"].update(spare_nodes=1), d.update(fault={"restarts_in_job": 0})),
+        "resources.spare_nodes: spare nodes are used only by restarts inside the job",
+    ),
     ("time over limit", lambda d: d["resources"].update(time="3-00:00:00"), "resources.time: must be <= 2-00:00:00"),
     (
         "debug partition time",
@@ -170,6 +180,13 @@ def test_gpu_only_options_on_a_cpu_partition(strategy: dict, field: str, words: 
     assert result.exit_code == 2
     assert f"{recipe}: {field}: {words}" in result.output
     assert cli("validate", "--site", "mycluster", str(recipe)).exit_code == 0  # fine where there are GPUs
+
+
+def test_spare_nodes_need_slurm(tmp_path: Path) -> None:
+    recipe = write_yaml(tmp_path / "recipe.yaml", edited(RECIPE, lambda d: d["resources"].update(spare_nodes=1)))
+    result = cli("validate", "--site", "local", str(recipe))
+    assert result.exit_code == 2, result.output
+    assert "resources.spare_nodes: spare nodes need a SLURM site" in result.output.strip(), result.output
 
 
 def test_nvme_offload_without_nvme(tmp_path: Path) -> None:

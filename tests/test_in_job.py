@@ -1,0 +1,43 @@
+"""Restarts inside the job off the cluster: which nodes the next start uses, and what the
+script asks SLURM for with spares (the cluster tests: tests/test_cluster_in_job.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpcrun.plan import RunSpec
+from hpcrun.recipe import Recipe
+from hpcrun.runtime.failure import restart_nodes
+from hpcrun.site import load_site
+from tests.helpers import ROOT, cli, load_yaml, write_yaml
+
+
+def spec(nodes: int, spares: int) -> RunSpec:
+    from hpcrun.plan import plan
+
+    recipe = Recipe.model_validate(
+        {"name": "r", "resources": {"nodes": nodes, "gpus_per_node": 2, "spare_nodes": spares, "partition": "spare"}}
+    )
+    return plan(load_site("testcluster"), recipe, "r.yaml", "run")
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_place() -> None:
+    two = spec(2, 1)
+    alloc = ["n1", "n2", "n3"]
+    assert restart_nodes(two, {}, ["n1", "n2"], alloc, []) == ["n1", "n2"]
+    assert restart_nodes(two, {}, ["n1", "n2"], alloc, ["n1"]) == ["n2", "n3"]
+    assert restart_nodes(two, {"excluded_nodes": ["n2"]}, ["n1", "n2"], alloc, []) == ["n1", "n3"]
+    assert restart_nodes(two, {"failed_nodes": ["n3"]}, ["n1", "n2"], alloc, ["n2"]) is None  # none left
+
+
+def test_spares_are_allocated_and_the_job_outlives_a_lost_node(tmp_path: Path) -> None:
+    data = load_yaml(ROOT / "jobs" / "quickstart.yaml")
+    data["resources"].update(nodes=2, spare_nodes=1, partition="spare")
+    recipe = write_yaml(tmp_path / "r.yaml", data)
+    out = cli("render", "--site", "testcluster", str(recipe))
+    assert out.exit_code == 0, out.output
+    assert "#SBATCH --nodes=3\n" in out.stdout and "#SBATCH --no-kill\n" in out.stdout
+    assert "--nodes=2 --ntasks=4" in out.stdout  # the step: the training nodes only
+    data["resources"].update(spare_nodes=0)
+    plain = cli("render", "--site", "testcluster", str(write_yaml(tmp_path / "p.yaml", data))).stdout
+    assert "#SBATCH --nodes=2\n" in plain and "--no-kill" not in plain
