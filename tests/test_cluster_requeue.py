@@ -182,13 +182,15 @@ def test_usr2_to_the_batch_shell_requeues_once_and_completes_bit_identical(share
 
 
 def test_crashing_job_stops_at_the_cap(shared: Path) -> None:
-    """A job that crashes differently each attempt (its exit code counts the restarts) is
-    requeued until the cap; one that repeats its failure exactly stops sooner."""
+    """A job that crashes differently each attempt (its exit code counts SLURM's requeues) is
+    requeued until the cap (`restarts_in_job: 0`: through the queue each time); one that repeats
+    its failure exactly stops sooner."""
     crash = "import os; raise SystemExit(7 + int(os.environ.get('SLURM_RESTART_COUNT') or 0))"
     run_dir, job = submit(
         shared, "crash",
         job={"kind": "command", "command": ["python", "-c", crash]},
         checkpoint={**CHECKPOINT, "max_requeues": 2},
+        fault={"restarts_in_job": 0},  # the requeue cap: restarts inside the job would keep SLURM_RESTART_COUNT
         resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},  # the cap needs no more: 3 attempts of 1 rank
     )
     final = wait_done(run_dir, timeout=300)
