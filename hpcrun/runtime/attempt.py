@@ -35,7 +35,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         f"on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, restart {env.restart_count}",
         flush=True,
     )
-    if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
+    # a command job's own script owns MASTER_PORT; a function creates its own process group, as under submitit
+    if spec.recipe.job.kind not in ("command", "function"):
         if env.backend == "nccl":
             flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
