@@ -47,7 +47,7 @@ def test_a_function_on_two_nodes_returns_each_ranks_value(tmp_path: Path) -> Non
 def test_map_array_runs_twenty_calls_at_most_three_at_once(tmp_path: Path) -> None:
     ex = executor(tmp_path)
     ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_array_parallelism=3)
-    jobs = ex.map_array(functions.square, range(20), [1.0] * 20)
+    jobs = ex.map_array(functions.square, range(20), [0.5] * 20)
     assert len({job.job_id.split("_")[0] for job in jobs}) == 1  # one array
     script = RunDir(_run_dir_of(jobs[0])).script.read_text()  # every task's run holds the array's script
     assert "#SBATCH --array=0-19%3" in script, script
