@@ -101,3 +101,15 @@ def test_importing_hpcrun_loads_neither_submitit_nor_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
+
+
+def test_job_cancel_stops_a_local_call_through_hpcruns_cancel(tmp_path: Path) -> None:
+    ex = hpcrun.Executor(tmp_path / "submitit", site=str(site_copy(tmp_path)))
+    ex.update_parameters(tasks_per_node=1, timeout_min=5)
+    job = ex.submit(functions.square, 4, 300.0)
+    wait_for(lambda: "start" in (job.stdout() or ""), "the call to start", 60)
+    assert not job.done()
+    job.cancel()
+    wait_for(job.done, "the cancelled call's end", 60)
+    assert job.state == "STOPPED"  # interrupted by SIGTERM: a stop, which `hpcrun resume` continues
+    assert not job.paths.result_pickle.exists()  # job.result() raises UncompletedJobError
