@@ -97,7 +97,10 @@ def test_a_value_the_site_cannot_give_is_refused_by_parameter_before_anything_ru
 
 
 def test_importing_hpcrun_loads_neither_submitit_nor_torch() -> None:
-    code = "import sys, hpcrun; assert not {'submitit', 'torch'} & set(sys.modules), sorted(sys.modules)"
+    """Nor does making the executor, through submitit's plugin discovery: it runs on a login node."""
+    code = ("import sys, hpcrun; assert not {'submitit', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
+            "import submitit; ex = submitit.AutoExecutor('unused', cluster='hpcrun'); assert ex.cluster == 'hpcrun'\n"
+            "assert isinstance(ex._executor, hpcrun.Executor) and 'torch' not in sys.modules, sorted(sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
