@@ -66,6 +66,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
     row = finish(ctx, status, reason, collective=True)
+    for then in ctx.when_recorded:
+        then()
     if status == "requeued" and env.is_main:
         # before destroy_process_group: a rank that exits badly meanwhile gets rank 0 killed
         # (--kill-on-bad-exit); then the failure step, seeing `requeueing`, requeues instead

@@ -2,7 +2,9 @@
 
 Every task loads the run's function pickle (submitit's DelayedSubmission), calls it, and writes
 its outcome where submitit's Job looks (`<folder>/<job>_<task>_result.pkl`: `("success", value)`
-or `("error", traceback)`), so `job.result()` works as with submitit's own executors. The call
+or `("error", traceback)`), so `job.result()` works as with submitit's own executors. A value is
+written once the attempt's results row and state.json are: a caller that has it finds the run's
+record too. The call
 sees hpcrun's rank environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) and, through
 `submitit.JobEnvironment()`, hpcrun's plugin environment; it creates its own process group.
 
@@ -69,7 +71,7 @@ def run_function(ctx: Context) -> None:
     except Exception:
         _write(result, ("error", traceback.format_exc()))
         raise
-    _write(result, ("success", value))
+    ctx.when_recorded.append(lambda: _write(result, ("success", value)))
 
 
 def checkpoint(ctx: Context, delayed: DelayedSubmission) -> None:
