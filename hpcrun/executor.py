@@ -24,7 +24,7 @@ from submitit.core.job_environment import JobEnvironment
 from submitit.core.utils import DelayedSubmission
 from submitit.slurm.slurm import SlurmJob
 
-from hpcrun import backend
+from hpcrun import backend, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec, new_run_id, plan
 from hpcrun.recipe import apply_overrides, parse_recipe
@@ -269,6 +269,14 @@ class HpcrunJobEnvironment(JobEnvironment):
 
     def activated(self) -> bool:
         return os.environ.get("SUBMITIT_EXECUTOR", "") == NAME
+
+    @property
+    def hostnames(self) -> list[str]:
+        """The job's nodes, the first spelled as the script's MASTER_ADDR (its high-speed name):
+        submitit's TorchDistributedEnvironment meets there, where hpcrun's own jobs meet."""
+        node_list = os.environ.get("SLURM_JOB_NODELIST")
+        nodes = slurm.run(slurm.hostnames(node_list)).stdout.split() if node_list else []
+        return [os.environ.get("MASTER_ADDR", self.hostname), *nodes[1:]]
 
     def _requeue(self, countdown: int) -> None:
         """Never called: hpcrun requeues a stopped function job itself (hpcrun.runtime.function)."""

@@ -15,7 +15,10 @@ import submitit
 def where(x: int) -> dict[str, tp.Any]:
     """What a task sees: its ranks (hpcrun's variables and submitit's JobEnvironment) and node."""
     env = submitit.JobEnvironment()
+    torch_env = submitit.helpers.TorchDistributedEnvironment()  # what submitit users' DDP code reads
     return {
+        "torch_env": (torch_env.master_addr, torch_env.master_port, torch_env.rank, torch_env.world_size,
+                      torch_env.local_world_size),
         "x": x, "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
         "local_rank": int(os.environ["LOCAL_RANK"]), "master": os.environ["MASTER_ADDR"],
         "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),

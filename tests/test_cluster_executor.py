@@ -34,6 +34,9 @@ def test_a_function_on_two_nodes_returns_each_ranks_value(tmp_path: Path) -> Non
         (7, 0, 2, 0, 2), (7, 1, 2, 1, 2)]
     assert sorted(r["node"] for r in results) == sorted(pool.nodes())
     assert {r["master"] for r in results} == {pool.nodes()[0]}  # the template's rendezvous on the first node
+    # submitit's TorchDistributedEnvironment sees the same rendezvous and ranks
+    assert [r["torch_env"][:1] + r["torch_env"][2:] for r in results] == [
+        (pool.nodes()[0], 0, 2, 1), (pool.nodes()[0], 1, 2, 1)]
     assert job.task(1).result()["rank"] == 1 and results[0]["job_id"] == job.job_id
     # a run like any other: its directory holds the rendered script that ran, and a completed attempt
     run_dir = RunDir(job.paths.folder.parent)

@@ -39,6 +39,8 @@ def test_a_function_runs_on_the_local_site_without_slurm(tmp_path: Path, no_slur
     assert [(r["x"], r["rank"], r["world"], r["env_rank"], r["env_tasks"], r["job_id"]) for r in results] == [
         (3, 0, 2, 0, 2, job.job_id), (3, 1, 2, 1, 2, job.job_id)]
     assert job.done() and "rank 1/2" in (job.task(1).stdout() or "")
+    port = int(results[0]["torch_env"][1])
+    assert [r["torch_env"] for r in results] == [("127.0.0.1", port, 0, 2, 2), ("127.0.0.1", port, 1, 2, 2)]
     [run] = api.runs(str(tmp_path / "local-test.yaml"))
     assert run.path == job.paths.folder.parent and run.spec().recipe.job.kind == "function"
     wait_for(lambda: run.status().done, "the local controller's exit", 60)
