@@ -82,3 +82,16 @@ def test_a_checkpointable_call_resumes_from_its_checkpoint_after_one_requeue(tmp
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["REQUEUED", "COMPLETED"]
     assert time.monotonic() - started < 120
+
+
+def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_max_num_timeout=0)
+    progress = tmp_path / "progress"
+    job = ex.submit(functions.Counter(), 300, 0.2, str(progress))
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1"), "the call's 2nd step", 120)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    with pytest.raises(submitit.core.utils.FailedJobError, match="requeue cap reached"):
+        job.result()
+    wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["COMPLETED"]  # never requeued

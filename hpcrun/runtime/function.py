@@ -66,6 +66,7 @@ def run_function(ctx: Context) -> None:
         ctx.stopped = signal.Signals(stop.signum).name
         if ctx.env.is_main:
             checkpoint(ctx, delayed)
+            ctx.when_recorded.append(lambda: _if_ended(ctx, result))
         ctx.info(f"{ctx.stopped}: the call was interrupted, stopping for requeue")
         return
     except Exception:
@@ -88,6 +89,14 @@ def checkpoint(ctx: Context, delayed: DelayedSubmission) -> None:
     with atomic_path(ctx.run_dir.function) as tmp:
         following.dump(tmp)
     ctx.info("checkpointed the call: the requeued job continues from it")
+
+
+def _if_ended(ctx: Context, result: Path) -> None:
+    """A stop that ends the run (the requeue cap) is the call's outcome: an error with the reason,
+    where submitit's Job looks, instead of a job that never produced output."""
+    recorded = ctx.run_dir.state()
+    if recorded.get("status") == "failed":
+        _write(result, ("error", f"the job was stopped and not requeued: {recorded.get('reason')}"))
 
 
 def _write(path: Path, outcome: tuple[str, tp.Any]) -> None:
