@@ -53,7 +53,18 @@ class CommandJob(Frozen):
     launcher: tp.Literal["srun", "torchrun"] = "srun"
 
 
-Job = tp.Annotated[BenchmarkJob | EntrypointJob | CommandJob, pydantic.Field(discriminator="kind")]
+class FunctionJob(Frozen):
+    """A pickled Python call submitted through hpcrun's submitit executor (hpcrun.executor), which
+    writes this job itself: the call is the run directory's function pickle, and each task's
+    result pickle goes where submitit's Job reads it."""
+
+    kind: tp.Literal["function"]
+    folder: PathStr | None = None
+    """The submitit folder of the job's results and logs (an array's shared log folder); None:
+    the run's own logs/."""
+
+
+Job = tp.Annotated[BenchmarkJob | EntrypointJob | CommandJob | FunctionJob, pydantic.Field(discriminator="kind")]
 
 
 class Resources(Frozen):

@@ -32,6 +32,7 @@ FINAL_WEIGHTS = "final-weights.pt"
 WEIGHTS_DIGEST = "weights.sha256"
 DEEPSPEED_CONFIG = "deepspeed-config.json"
 CONTROLLER_LOG = "controller.log"
+FUNCTION = "function.pkl"  # a function job's pickled call (hpcrun.executor), rewritten by its checkpoint
 PROGRESS = "progress.json"
 TENSORBOARD = "tensorboard"
 EXITS = "exits"
@@ -191,6 +192,12 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / TENSORBOARD
+
+    @property
+    def function(self) -> Path:
+        """A function job's call: submitit's pickled DelayedSubmission, replaced by the one its
+        `checkpoint` returns when the job is stopped for a requeue."""
+        return self.path / FUNCTION
 
     @property
     def controller_log(self) -> Path:

@@ -35,6 +35,9 @@ class SignalFlag:
         self.forwarded = False
         self.terms_handled = 0  # SIGTERMs the Python handler has seen (the watcher compares)
         self.installed = False
+        # called from the handler after the flag is set: a function job (hpcrun.runtime.function)
+        # raises here to leave a call that never looks at the flag
+        self.interrupt: tp.Callable[[int], None] | None = None
 
     def install(self) -> None:
         """Idempotent: the launcher installs it first thing, the attempt again in case the
@@ -54,6 +57,8 @@ class SignalFlag:
         if signum == signal.SIGTERM:
             self.terms_handled += 1
         self.forward()
+        if self.interrupt is not None:
+            self.interrupt(signum)
 
     def forward(self) -> None:
         """Tell a command job's process to stop: once, as SIGTERM, what launchers and frameworks

@@ -36,7 +36,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         f" (requeues {env.requeues})",
         flush=True,
     )
-    if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
+    # a command job's own script owns MASTER_PORT; a function creates its own process group, as under submitit
+    if spec.recipe.job.kind not in ("command", "function"):
         if env.backend == "nccl":
             flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
@@ -67,6 +68,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
     row = finish(ctx, status, reason, collective=True)
+    for then in ctx.when_recorded:
+        then()
     if status == "requeued" and env.is_main:
         # before destroy_process_group: a rank that exits badly meanwhile gets rank 0 killed
         # (--kill-on-bad-exit); then the failure step, seeing `requeueing`, requeues instead

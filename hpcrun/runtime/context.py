@@ -54,6 +54,9 @@ class Context:
         # the training thread's time in each part of hpcrun's per-step work, saves apart
         self.own_s = dict.fromkeys(("stop vote", "checkpoint poll", "metrics", "watchdog"), 0.0)
         self.vote = StopVote(env, flag)
+        # run once the attempt's results row and state.json are written (a function job's result
+        # pickle: whoever sees the result finds the run's record already there)
+        self.when_recorded: list[tp.Callable[[], None]] = []
 
     @property
     def nvme_dir(self) -> str | None:

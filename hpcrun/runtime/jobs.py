@@ -1,5 +1,6 @@
-"""The three kinds of job a recipe can run, each a function of the Context: the built-in GPT
-benchmark, a user's `module:function`, and a user's own command (hpcrun.runtime.command)."""
+"""The kinds of job a recipe can run, each a function of the Context: the built-in GPT benchmark,
+a user's `module:function`, a user's own command (hpcrun.runtime.command), and a pickled call
+submitted through hpcrun's submitit executor (hpcrun.runtime.function)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from hpcrun.recipe import EntrypointJob
 from hpcrun.runtime.command import run_command
 from hpcrun.runtime.context import Context
+from hpcrun.runtime.function import run_function
 from hpcrun.sizes import GPTSize
 
 
@@ -64,4 +66,5 @@ JOBS: dict[str, tp.Callable[[Context], None]] = {
     "benchmark": builtin_benchmark,
     "entrypoint": user_entrypoint,
     "command": run_command,
+    "function": run_function,
 }

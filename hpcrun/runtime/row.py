@@ -48,10 +48,11 @@ def _hash(text: str) -> str:
 
 
 def global_batch(spec: RunSpec) -> int | None:
-    """Samples per optimizer step; None for a command job, whose batch is the script's own (the
+    """Samples per optimizer step; None for a command or function job, whose batch is its own (the
     recipe's training fields say nothing of it)."""
     t = spec.recipe.training
-    return spec.world_size * t.micro_batch * t.grad_accum if spec.recipe.job.kind != "command" else None
+    own_batch = spec.recipe.job.kind in ("command", "function")
+    return None if own_batch else spec.world_size * t.micro_batch * t.grad_accum
 
 
 def plan_row(spec: RunSpec, job_id: str, restart: int, node_list: str | None) -> dict[str, tp.Any]:

@@ -1,0 +1,104 @@
+"""A function job: a pickled call submitted through hpcrun's submitit executor (hpcrun.executor).
+
+Every task loads the run's function pickle (submitit's DelayedSubmission), calls it, and writes
+its outcome where submitit's Job looks (`<folder>/<job>_<task>_result.pkl`: `("success", value)`
+or `("error", traceback)`), so `job.result()` works as with submitit's own executors. A value is
+written once the attempt's results row and state.json are: a caller that has it finds the run's
+record too. The call
+sees hpcrun's rank environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) and, through
+`submitit.JobEnvironment()`, hpcrun's plugin environment; it creates its own process group.
+
+Stopping. A call does not look at hpcrun's stop flag, so USR2 or SIGTERM interrupts it: the
+handler raises Interrupted in it (as submitit's own handler does). Rank 0 then honours submitit's
+Checkpointable protocol: the callable's `__submitit_checkpoint__` or `checkpoint(*args, **kwargs)`
+returns the DelayedSubmission to run next, which replaces the run's pickle; the attempt then
+ends as a stopped one and hpcrun requeues it (hpcrun.runtime.attempt). A callable without
+`checkpoint` is called again from the start, as submitit does after a preemption.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+import typing as tp
+from pathlib import Path
+
+from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
+
+from hpcrun.recipe import FunctionJob
+from hpcrun.rundir import atomic_path
+from hpcrun.runtime.context import Context
+
+EXECUTOR = "hpcrun"  # the plugin's name: what submitit.JobEnvironment() recognises (SUBMITIT_EXECUTOR)
+
+
+class Interrupted(BaseException):
+    """Raised in the call by the stop signal's handler. A BaseException: a call's own `except
+    Exception` must not swallow the stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int) -> None:
+    raise Interrupted(signum)
+
+
+def run_function(ctx: Context) -> None:
+    job = ctx.recipe.job
+    assert isinstance(job, FunctionJob)
+    folder = Path(job.folder) if job.folder else ctx.run_dir.logs
+    result = JobPaths(folder, job_id=ctx.env.job_id, task_id=ctx.rank).result_pickle
+    # what submitit's JobEnvironment reads (hpcrun.executor.HpcrunJobEnvironment)
+    os.environ.update(SUBMITIT_EXECUTOR=EXECUTOR, SUBMITIT_FOLDER=str(folder), HPCRUN_JOB_ID=ctx.env.job_id)
+    delayed = DelayedSubmission.load(ctx.run_dir.function)
+    try:
+        try:
+            ctx.flag.interrupt = _interrupt
+            if ctx.flag.signum is not None:  # signalled before the call began
+                raise Interrupted(ctx.flag.signum)
+            value = delayed.result()
+        finally:
+            ctx.flag.interrupt = None
+    except Interrupted as stop:
+        ctx.stopped = signal.Signals(stop.signum).name
+        if ctx.env.is_main:
+            checkpoint(ctx, delayed)
+            ctx.when_recorded.append(lambda: _if_ended(ctx, result))
+        ctx.info(f"{ctx.stopped}: the call was interrupted, stopping for requeue")
+        return
+    except Exception:
+        _write(result, ("error", traceback.format_exc()))
+        raise
+    ctx.when_recorded.append(lambda: _write(result, ("success", value)))
+
+
+def checkpoint(ctx: Context, delayed: DelayedSubmission) -> None:
+    """submitit's Checkpointable protocol: the call to make next replaces the run's pickle."""
+    function = delayed.function
+    method = getattr(function, "__submitit_checkpoint__", None) or getattr(function, "checkpoint", None)
+    if method is None:
+        ctx.info("the callable has no checkpoint method: the requeued job calls it again from the start")
+        return
+    following = method(*delayed.args, **delayed.kwargs)
+    if following is None:
+        ctx.info("the callable's checkpoint returned None: the requeued job calls it again from the start")
+        return
+    with atomic_path(ctx.run_dir.function) as tmp:
+        following.dump(tmp)
+    ctx.info("checkpointed the call: the requeued job continues from it")
+
+
+def _if_ended(ctx: Context, result: Path) -> None:
+    """A stop that ends the run (the requeue cap) is the call's outcome: an error with the reason,
+    where submitit's Job looks, instead of a job that never produced output."""
+    recorded = ctx.run_dir.state()
+    if recorded.get("status") == "failed":
+        _write(result, ("error", f"the job was stopped and not requeued: {recorded.get('reason')}"))
+
+
+def _write(path: Path, outcome: tuple[str, tp.Any]) -> None:
+    with atomic_path(path) as tmp:
+        cloudpickle_dump(outcome, tmp)

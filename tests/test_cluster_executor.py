@@ -1,0 +1,97 @@
+"""submitit's executor plugin (hpcrun.executor) on the real SLURM test cluster: a plain function on
+two nodes, a throttled job array of twenty calls, and a Checkpointable call interrupted by USR2
+that continues from its own checkpoint after exactly one requeue."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+
+from hpcrun.rundir import RunDir
+from tests import functions, pool
+from tests.runs import site_copy, wait_for
+from tests.test_cluster_requeue import records
+
+pytestmark = pytest.mark.cluster
+
+
+def executor(tmp_path: Path) -> submitit.AutoExecutor:
+    return submitit.AutoExecutor(tmp_path / "submitit", cluster="hpcrun",
+                                 hpcrun_site=str(site_copy(tmp_path, "testcluster")))
+
+
+def test_a_function_on_two_nodes_returns_each_ranks_value(tmp_path: Path) -> None:
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=2, tasks_per_node=1, timeout_min=5, name="where")
+    job = ex.submit(functions.where, 7)
+    assert isinstance(job, submitit.SlurmJob)
+    results = job.results()  # one value per task, as submitit gives them
+    assert [(r["x"], r["rank"], r["world"], r["env_rank"], r["env_tasks"]) for r in results] == [
+        (7, 0, 2, 0, 2), (7, 1, 2, 1, 2)]
+    assert sorted(r["node"] for r in results) == sorted(pool.nodes())
+    assert {r["master"] for r in results} == {pool.nodes()[0]}  # the template's rendezvous on the first node
+    # submitit's TorchDistributedEnvironment sees the same rendezvous and ranks
+    assert [r["torch_env"][:1] + r["torch_env"][2:] for r in results] == [
+        (pool.nodes()[0], 0, 2, 1), (pool.nodes()[0], 1, 2, 1)]
+    assert job.task(1).result()["rank"] == 1 and results[0]["job_id"] == job.job_id
+    # a run like any other: its directory holds the rendered script that ran, and a completed attempt
+    run_dir = RunDir(job.paths.folder.parent)
+    assert run_dir.script.read_text().count("#SBATCH --nodes=2") == 1
+    assert run_dir.state()["status"] == "completed"  # recorded before the values were written
+    assert "rank 1/2" in (job.task(1).stdout() or "")
+    assert job.done()
+
+
+def test_map_array_runs_twenty_calls_at_most_three_at_once(tmp_path: Path) -> None:
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_array_parallelism=3)
+    jobs = ex.map_array(functions.square, range(20), [0.5] * 20)
+    assert len({job.job_id.split("_")[0] for job in jobs}) == 1  # one array
+    script = RunDir(_run_dir_of(jobs[0])).script.read_text()  # every task's run holds the array's script
+    assert "#SBATCH --array=0-19%3" in script, script
+    assert [job.result() for job in jobs] == [x * x for x in range(20)]
+    spans = []
+    for job in jobs:
+        times = dict(line.split() for line in (job.stdout() or "").splitlines() if line.startswith(("start ", "end ")))
+        spans.append((float(times["start"]), float(times["end"])))
+    most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)  # calls running as one starts
+    assert 1 <= most <= 3, spans
+
+
+def _run_dir_of(job: submitit.Job[int]) -> Path:
+    """An array task's run directory: where its submitted pickle (a link) points."""
+    return job.paths.submitted_pickle.resolve().parent
+
+
+def test_a_checkpointable_call_resumes_from_its_checkpoint_after_one_requeue(tmp_path: Path) -> None:
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5)
+    progress = tmp_path / "progress"
+    job = ex.submit(functions.Counter(), 30, 0.2, str(progress))
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1", "2", "3"), "the call's 4th step", 120)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    started = time.monotonic()
+    result = job.result()
+    assert result["done"] == 30
+    assert result["resumed_from"] is not None and 4 <= result["resumed_from"] < 30, result
+    assert result["restarts"] == ["0", "1"], result  # SLURM_RESTART_COUNT of each attempt
+    wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["REQUEUED", "COMPLETED"]
+    assert time.monotonic() - started < 120
+
+
+def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_max_num_timeout=0)
+    progress = tmp_path / "progress"
+    job = ex.submit(functions.Counter(), 300, 0.2, str(progress))
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1"), "the call's 2nd step", 120)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    with pytest.raises(submitit.core.utils.FailedJobError, match="requeue cap reached"):
+        job.result()
+    wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["COMPLETED"]  # never requeued
