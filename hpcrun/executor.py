@@ -146,6 +146,9 @@ class HpcrunExecutor(core.Executor):
         data = apply_overrides(dict(params.get("recipe") or {}), overrides)
         data["name"] = self._name()
         data["job"] = {"kind": "function", "folder": str(folder) if folder else None}
+        # a failed call fails its job, as under submitit: not run again inside it unless asked
+        fault = data["fault"] = dict(data.get("fault") or {})
+        fault.setdefault("restarts_in_job", 0)
         return data
 
     def _spec_for(self, folder: Path | None, run_id: str, **ids: tp.Any) -> RunSpec:
