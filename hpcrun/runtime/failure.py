@@ -277,7 +277,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         # the row before the state, so whoever reads "failed" finds it (see attempt.finish)
         row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
         write_attempt(spec.results_dir, row)
-        restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if nodes is not None else 0)
+        restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if "restart" in decided else 0)
         return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
                 "step": row.get("last_step"), "failure": signature, jobstate.IN_JOB: restarts}
 
