@@ -7,6 +7,8 @@ the same training never interrupted. Jobs are bounded by time (a pause per step)
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import time
 import typing as tp
@@ -130,13 +132,21 @@ def test_restarts_in_job_exhausted_fall_back_to_a_requeue(tmp_path: Path, baseli
 
 def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> None:
     """`resources.spare_nodes: 1`: every process of the second training node killed (slurmd
-    too): the job goes on on the spare without a requeue, the lost node is recorded, and the
-    weights are those of an uninterrupted run."""
+    too), its node-local snapshots with it: the job goes on on the spare without a requeue, from
+    the replica of the lost node's snapshot the first node holds (newer than the disk
+    checkpoint), the lost node is recorded, and the weights are those of an uninterrupted run."""
     spare = pool.spare_node()
     assert spare, f"no spare node in partition {pool.partition('spare')} (tests/cluster/testcluster.sh up)"
     resources = {**TWO_BY_TWO, "spare_nodes": 1, "partition": "spare"}
-    run_dir, job = submit(tmp_path, "in-job-spare", resources=resources)
-    wait_checkpoint(run_dir)
+    run_dir, job = submit(
+        tmp_path, "in-job-spare", resources=resources, training={**TRAINING, "log_interval": 1},
+        checkpoint={**CHECKPOINT, "memory_interval": 2},
+    )
+    wait_checkpoint(run_dir)  # step 10 on disk
+    log = next((run_dir / "logs").glob("*_0_log.out"))
+    deadline = time.time() + 120
+    while time.time() < deadline and "step 13/30" not in log.read_text():  # a snapshot newer than the disk's
+        time.sleep(0.1)
     first, second = faults.NODES
     _, node = faults.rank_pid(job, 3, attempt=0)
     assert node == second, node  # ranks 2-3 on the second node; the batch script on the first
@@ -150,4 +160,39 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
     failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
     assert f"node lost: {second}" in failed["reason"] and f"on {first},{spare}" in failed["reason"], failed["reason"]
+    # ranks 2-3 start on the spare, whose files of theirs are the copies the first node held
+    resumed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]["resumed_from"]
+    assert resumed == "replica", rows(tmp_path, run_dir)[["restart_count", "reason", "resumed_from"]]
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+
+
+def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, baseline: Path) -> None:
+    """SIGKILL of every rank at once (the batch script alive), past the disk checkpoint: the
+    restart inside the job resumes from the in-memory snapshot, recomputing at most
+    `checkpoint.memory_interval` steps, not the disk interval's, with identical weights."""
+    memory_interval = 2
+    run_dir, job = submit(
+        tmp_path, "in-job-all", training={**TRAINING, "log_interval": 1},  # every step in rank 0's log
+        checkpoint={**CHECKPOINT, "memory_interval": memory_interval},
+    )
+    wait_checkpoint(run_dir)  # step 10 on disk; the next at 20
+    log = next((run_dir / "logs").glob("*_0_log.out"))
+    deadline = time.time() + 120
+    while time.time() < deadline and "step 15/30" not in log.read_text():
+        time.sleep(0.1)
+    pids = [faults.rank_pid(job, rank, attempt=0)[0] for rank in range(4)]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    final = wait_done(run_dir, timeout=240)
+    assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
+    assert records(job) == ["COMPLETED"], records(job)
+    text = log.read_text()
+    before, _, after = text.partition("attempt 1 (requeues 0)")
+    reached = max(int(m) for m in re.findall(r"step (\d+)/30", before))
+    resumed = re.search(r"resumed from (\w+) snapshot \(step (\d+)\)", after)
+    assert resumed and resumed[1] == "memory", after[:2000]
+    assert reached - int(resumed[2]) <= memory_interval, (reached, resumed[0])
+    assert 10 < int(resumed[2]) < 20, resumed[0]  # newer than the disk checkpoint
+    table = rows(tmp_path, run_dir)
+    assert table[table.restart_count == 1].iloc[0]["resumed_from"] == "memory", table
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
