@@ -391,6 +391,29 @@ def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
     return f"{nvme_base}/hpcrun-{allocation_id}"
 
 
+# node-local scratch: in-memory snapshots (hpcrun.runtime.snapshot) --------------------------
+def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> Path:
+    """`<scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`: one job start's snapshots on one node,
+    valid only within that start (the batch script removes it on every node at the job's end)."""
+    return Path(scratch) / f"hpcrun-{allocation_id}-{restart}"
+
+
+def snapshot_rank_dir(job_dir: Path, run_id: str, rank: int) -> Path:
+    """One rank's snapshots, `<job dir>/<run id>/rank-NNNNN/`, each a checkpoint-like `step-N/`
+    directory (`step_dir`, `partial_step_dir`, `manifest`, `engine_state`, `trainer_state`)."""
+    return job_dir / run_id / f"rank-{rank:05d}"
+
+
+def snapshot_ranks(job_dir: Path, run_id: str) -> dict[int, Path]:
+    """The rank directories this node holds of run `run_id`, by rank (its own and its replicas)."""
+    found = {}
+    for path in (job_dir / run_id).glob("rank-*"):
+        digits = path.name.removeprefix("rank-")
+        if digits.isdigit():
+            found[int(digits)] = path
+    return found
+
+
 def compact_left(results_dir: Path) -> Path:
     """The files the last compaction left as they are (a newer hpcrun's, unreadable ones it may
     not move, others' it may not remove): readers do not count them towards the next one."""
@@ -403,6 +426,7 @@ def compact_lock(results_dir: Path) -> FileLock:
 
 
 HEARTBEATS = "heartbeats"
+
 FLIGHT_RECORDER = "flight-recorder"
 CONSOLIDATED = "consolidated"
 COMPACT_LOCK = ".compact.lock"

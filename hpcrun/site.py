@@ -106,6 +106,10 @@ class Storage(Frozen):
     runs_dir: PathStr
     results_dir: PathStr | None = None
     nvme: NVMe | None = None
+    local_scratch: PathStr | None = None
+    """A node-local directory (tmpfs: host memory) for in-memory snapshots
+    (`checkpoint.memory_interval`); each job start uses `<local_scratch>/hpcrun-<job>-<restart>/`.
+    None: `/dev/shm`."""
 
 
 class Container(Frozen):

@@ -103,8 +103,8 @@ class DcpWriter(FileSystemWriter):
     turning it off is a process-wide switch that a writer thread cannot flip without racing every
     other torch.save (benchmarks/RESULTS.md records what it costs)."""
 
-    def __init__(self, directory: Path) -> None:
-        super().__init__(str(directory), sync_files=True, thread_count=WRITER_THREADS)
+    def __init__(self, directory: Path, sync_files: bool = True, threads: int = WRITER_THREADS) -> None:
+        super().__init__(str(directory), sync_files=sync_files, thread_count=threads)
 
     def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
         future = super().write_data(plan, planner)
@@ -163,7 +163,7 @@ class Checkpoints:
             tmp.mkdir()
         self._barrier()
         # this rank's small state first: the engine's write completes after it on every rank
-        buffer = _serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
+        buffer = serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
         atomic_write(rundir.trainer_state(tmp, self.env.rank), buffer)
         pending = _Save(step, tmp, final, start)
         if self.asynchronous and hasattr(engine, "save_async"):
@@ -278,7 +278,8 @@ def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
     return out, state_digest(state)
 
 
-def _serialise(obj: tp.Any) -> bytes:
+def serialise(obj: tp.Any) -> bytes:
+    """torch.save's bytes of `obj` (a rank's trainer state), for an atomic write."""
     import io
 
     buf = io.BytesIO()

@@ -47,6 +47,7 @@ class TorchEngine:
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
         self.accum = recipe.training.grad_accum
         self._stager: AsyncStager | None = None
+        self._snapshot_stager: AsyncStager | None = None
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
@@ -138,12 +139,32 @@ class TorchEngine:
             async_stager=self._stager,
         )  # type: ignore[return-value]
 
-    def load(self, directory: Path) -> None:
+    def snapshot_async(self, directory: Path) -> Future[tp.Any]:
+        """This rank's state alone, into `directory` on node-local scratch (hpcrun.runtime.snapshot):
+        the same DCP save, with no collective (`no_dist`), so each rank's directory holds all that
+        rank loads (DCP would write DDP's replicated tensors once, on rank 0's node). Staged into
+        host buffers of its own, apart from the disk checkpoint's."""
+        import torch.distributed.checkpoint as dcp
+
+        if self._snapshot_stager is None:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            sharded = isinstance(self.model, FullyShardedDataParallel)
+            self._snapshot_stager = checkpoint.host_stager(sharded_tensors=sharded)
+        return dcp.async_save(
+            self._state(),
+            storage_writer=checkpoint.DcpWriter(directory, sync_files=False, threads=1),  # tmpfs: a memcpy
+            async_stager=self._snapshot_stager,
+            no_dist=True,
+        )  # type: ignore[return-value]
+
+    def load(self, directory: Path, local: bool = False) -> None:
+        """Restore from a checkpoint (collective), or with `local` from this rank's snapshot."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._state()
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, checkpoint_id=str(directory), no_dist=local)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
