@@ -14,6 +14,7 @@ staging and writer classes, configured, with no private torch names.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -95,6 +96,24 @@ def host_stager(sharded_tensors: bool = False) -> AsyncStager:
         use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
     )
     return DefaultStager(options)
+
+
+def copy_into(source: tp.Any, buffers: tp.Any) -> tp.Any:
+    """A copy of a state dict into host memory that reuses `buffers` (the previous copy's)
+    wherever a tensor's shape and dtype are unchanged; other values are copied anew."""
+    if isinstance(source, torch.Tensor):
+        if isinstance(buffers, torch.Tensor) and buffers.shape == source.shape and buffers.dtype == source.dtype:
+            return buffers.copy_(source.detach())
+        host = torch.empty_like(source, device="cpu", pin_memory=torch.cuda.is_available())
+        return host.copy_(source.detach())
+    if isinstance(source, dict):
+        old = buffers if isinstance(buffers, dict) else {}
+        return {key: copy_into(value, old.get(key)) for key, value in source.items()}
+    if isinstance(source, (list, tuple)):
+        same = isinstance(buffers, (list, tuple)) and len(buffers) == len(source)
+        olds = list(buffers) if same else [None] * len(source)
+        return type(source)(copy_into(value, old) for value, old in zip(source, olds))
+    return copy.deepcopy(source)
 
 
 class DcpWriter(FileSystemWriter):

@@ -80,7 +80,7 @@ class Context:
         self.engine = self.recipe.strategy.build(
             model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
         )
-        if self.snapshots is not None and not hasattr(self.engine, "snapshot_async"):
+        if self.snapshots is not None and not hasattr(self.engine, "snapshot_state"):
             self.info("this strategy's engine keeps no in-memory snapshots: disk checkpoints only")
             self.snapshots = None
         restored = self.snapshots.restore(self.engine, found[0] if found else 0) if self.snapshots else None

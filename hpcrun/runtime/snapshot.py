@@ -283,12 +283,12 @@ class Snapshots:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
-        written = engine.snapshot_async(rundir.engine_state(tmp))
+        staged = engine.snapshot_state()
         self._pending = pending = Future[None]()
 
         def complete() -> None:
             try:
-                self._complete(written, step, tmp, state)
+                self._complete(engine, staged, step, tmp, state)
                 pending.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - raised where the training thread waits
                 pending.set_exception(exc)
@@ -298,7 +298,9 @@ class Snapshots:
         self.stalls.append(time.perf_counter() - start)
         return self.stalls[-1]
 
-    def _complete(self, written: Future[tp.Any], step: int, tmp: Path, state: dict[str, tp.Any]) -> None:
+    def _complete(
+        self, engine: tp.Any, staged: dict[str, tp.Any], step: int, tmp: Path, state: dict[str, tp.Any]
+    ) -> None:
         """The background half of a save: publish, replicate, agree, prune. Never raises: a
         failed snapshot is reported and skipped (the disk checkpoint stays), and every rank still
         takes part in the exchange and the all-reduce, so that none waits for it forever."""
@@ -306,7 +308,7 @@ class Snapshots:
         data, why = b"", None
         try:
             rundir.trainer_state(tmp, self.env.rank).write_bytes(ckpt.serialise(state))
-            written.result()
+            engine.write_snapshot(staged, rundir.engine_state(tmp))
             publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id)
             data = pack(final) if peer_of(self.nodes, self.env.rank) is not None else b""
         except Exception as exc:  # noqa: BLE001 - reported, and the ranks still meet below
