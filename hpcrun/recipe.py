@@ -81,7 +81,7 @@ class Training(Frozen):
 
 
 # measured on the built-in benchmark (2 CPU ranks, --site local): see hpcrun.runtime.snapshot
-MEMORY_INTERVAL = 20
+MEMORY_INTERVAL = 25
 
 
 class Checkpoint(Frozen):

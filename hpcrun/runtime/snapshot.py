@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import queue
 import shutil
 import socket
 import sys
@@ -169,6 +170,8 @@ class Snapshots:
         self.stalls: list[float] = []  # seconds each save held the training thread
         self.failures = 0
         self._pending: Future[None] | None = None
+        self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
 
     def rank_dir(self, rank: int) -> Path:
@@ -284,19 +287,23 @@ class Snapshots:
         tmp.mkdir(parents=True)
         state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
         staged = engine.snapshot_state()
-        self._pending = pending = Future[None]()
+        self._pending = Future[None]()
+        if self._worker is None:  # one thread for the run: starting one per snapshot held training ~1 ms more
+            # a daemon: a thread stuck on a dead peer must not hold the process at exit
+            self._worker = threading.Thread(target=self._work, name="hpcrun-snapshot", daemon=True)
+            self._worker.start()
+        self._queue.put((self._pending, lambda: self._complete(engine, staged, step, tmp, state)))
+        self.stalls.append(time.perf_counter() - start)
+        return self.stalls[-1]
 
-        def complete() -> None:
+    def _work(self) -> None:
+        while True:
+            pending, job = self._queue.get()
             try:
-                self._complete(engine, staged, step, tmp, state)
+                job()
                 pending.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - raised where the training thread waits
                 pending.set_exception(exc)
-
-        # a daemon: a thread stuck on a dead peer must not hold the process at exit
-        threading.Thread(target=complete, name="hpcrun-snapshot", daemon=True).start()
-        self.stalls.append(time.perf_counter() - start)
-        return self.stalls[-1]
 
     def _complete(
         self, engine: tp.Any, staged: dict[str, tp.Any], step: int, tmp: Path, state: dict[str, tp.Any]
