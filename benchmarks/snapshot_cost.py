@@ -65,11 +65,13 @@ def main() -> None:
             stalls.append(measured[interval][1])
             print(f"round {round_ + 1}: off {measured[0][0]:.0f} tok/s, every {interval} steps "
                   f"{measured[interval][0]:.0f} tok/s, ratio {ratios[-1]:.3f}; {stalls[-1]}", flush=True)
-        shares = [float(STALL.search(s).group(3)) for s in stalls if STALL.search(s)]  # type: ignore[union-attr]
-        each = [float(STALL.search(s).group(2)) for s in stalls if STALL.search(s)]  # type: ignore[union-attr]
-        print(f"memory_interval {interval}: throughput with / without snapshots, median {statistics.median(ratios):.3f} "
-              f"(spread {min(ratios):.3f}-{max(ratios):.3f}); stall per snapshot median {statistics.median(each):.1f} ms, "
-              f"{statistics.median(shares):.3f}% of step time")
+        found = [m for m in (STALL.search(s) for s in stalls) if m]
+        each, shares = [float(m.group(2)) for m in found], [float(m.group(3)) for m in found]
+        print(
+            f"memory_interval {interval}: throughput with / without snapshots, median "
+            f"{statistics.median(ratios):.3f} (spread {min(ratios):.3f}-{max(ratios):.3f}); stall per snapshot "
+            f"median {statistics.median(each):.1f} ms, {statistics.median(shares):.3f}% of step time"
+        )
 
 
 if __name__ == "__main__":

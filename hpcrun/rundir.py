@@ -392,6 +392,14 @@ def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
 
 
 # node-local scratch: in-memory snapshots (hpcrun.runtime.snapshot) --------------------------
+SCRATCH_ENV = "HPCRUN_LOCAL_SCRATCH"  # one rank's override of storage.local_scratch (tests' pretend nodes)
+
+
+def local_scratch(configured: str) -> Path:
+    """The node-local directory snapshots go to: the plan's, unless this process is told another."""
+    return Path(os.environ.get(SCRATCH_ENV) or configured)
+
+
 def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> Path:
     """`<scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`: one job start's snapshots on one node,
     valid only within that start (the batch script removes it on every node at the job's end)."""

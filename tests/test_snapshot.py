@@ -54,7 +54,7 @@ def launch(run_dir: Path, nodes: list[Path], job_id: str) -> list[subprocess.Pop
         env = {
             **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(WORLD),
             "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_RESTART_COUNT": "0",
-            snapshot.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
+            rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
         }
         with (run_dir / f"rank{rank}.log").open("ab") as log:
             procs.append(subprocess.Popen(["bash", str(run_dir / "script.sh")], env=env, stdout=log, stderr=log))

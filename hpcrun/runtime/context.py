@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
-from hpcrun.rundir import RunDir, nvme_job_dir
+from hpcrun.rundir import RunDir, local_scratch, nvme_job_dir
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import snapshot
 from hpcrun.runtime.env import DistEnv
@@ -45,7 +45,7 @@ class Context:
             self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous
         )
         self.snapshots = (
-            snapshot.Snapshots(snapshot.scratch_dir(spec.local_scratch), spec.run_id, env)
+            snapshot.Snapshots(local_scratch(spec.local_scratch), spec.run_id, env)
             if checkpoint.memory_interval and spec.recipe.job.kind != "command"
             else None
         )

@@ -44,8 +44,6 @@ from hpcrun import rundir
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.env import DistEnv
 
-SCRATCH_ENV = "HPCRUN_LOCAL_SCRATCH"  # one rank's override of storage.local_scratch (tests' pretend nodes)
-
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
@@ -55,11 +53,6 @@ class Restored:
     source: str
     step: int
     state: dict[str, tp.Any]
-
-
-def scratch_dir(configured: str) -> Path:
-    """The node-local directory snapshots go to: the plan's, unless this rank is told another."""
-    return Path(os.environ.get(SCRATCH_ENV) or configured)
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
