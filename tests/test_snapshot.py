@@ -26,7 +26,7 @@ from hpcrun.runtime import snapshot
 from hpcrun.site import load_site
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import losses, recipe, rows, site_copy, state, wait_for
+from tests.runs import STRATEGIES, losses, recipe, rows, site_copy, state, wait_for
 from tests.test_fault_tolerance import alive, weights
 
 pytestmark = pytest.mark.slow
@@ -36,12 +36,12 @@ TRAINING = {"steps": 20, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
 STEP_DELAY_S = 0.4  # 8 s of training: time to see a snapshot on both nodes and kill before the end
 
 
-def prepared(tmp: Path, name: str, delay: float, memory_interval: int, disk_interval: int) -> Path:
+def prepared(tmp: Path, name: str, delay: float, memory_interval: int, disk_interval: int, strategy: str) -> Path:
     partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": WORLD, "memory_gb": 16, "max_time": "1-00:00:00"}
     site = load_site(str(site_copy(tmp, partitions={"local": partition})))
     path = recipe(
         tmp, name, job=entrypoint_job(str(ROOT), delay), training=TRAINING,
-        resources={"nodes": 1, "gpus_per_node": WORLD, "time": "00:10:00"},
+        resources={"nodes": 1, "gpus_per_node": WORLD, "time": "00:10:00"}, strategy=STRATEGIES[strategy],
         checkpoint={"interval": disk_interval, "memory_interval": memory_interval, "export_final": True},
     )
     return prepare(plan(site, load_recipe(path).base, path, name))
@@ -75,10 +75,10 @@ def held(node: Path, job_id: str, run_id: str) -> dict[int, list[int]]:
     }
 
 
-def killed_after_snapshot(tmp: Path, name: str, disk_interval: int) -> tuple[Path, list[Path], str]:
+def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: str) -> tuple[Path, list[Path], str]:
     """A run started, SIGKILLed whole once both nodes hold every rank's snapshot of step >= 6
     (their own ranks' and the other node's replicas)."""
-    run_dir = prepared(tmp, name, STEP_DELAY_S, 2, disk_interval)
+    run_dir = prepared(tmp, name, STEP_DELAY_S, 2, disk_interval, strategy)
     nodes = [tmp / "nodeA", tmp / "nodeB"]
     job_id = str(random.randint(1000, 11000))  # the local script's rendezvous port derives from it
     procs = launch(run_dir, nodes, job_id)
@@ -99,13 +99,17 @@ def killed_after_snapshot(tmp: Path, name: str, disk_interval: int) -> tuple[Pat
     return run_dir, nodes, job_id
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same training never interrupted, with no snapshots."""
-    tmp = tmp_path_factory.mktemp("whole")
-    run_dir = prepared(tmp, "whole", 0.0, 0, 1000)
-    finished(launch(run_dir, [tmp / "nodeA", tmp / "nodeB"], str(random.randint(1000, 11000))), run_dir)
-    return run_dir
+BASELINES: dict[str, Path] = {}
+
+
+def baseline(factory: pytest.TempPathFactory, strategy: str) -> Path:
+    """The same training never interrupted, with no snapshots (one per strategy and session)."""
+    if strategy not in BASELINES:
+        tmp = factory.mktemp(f"whole-{strategy}")
+        run_dir = prepared(tmp, "whole", 0.0, 0, 1000, strategy)
+        finished(launch(run_dir, [tmp / "nodeA", tmp / "nodeB"], str(random.randint(1000, 11000))), run_dir)
+        BASELINES[strategy] = run_dir
+    return BASELINES[strategy]
 
 
 def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: Path) -> dict[str, tp.Any]:
@@ -119,20 +123,23 @@ def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: 
     return dict(row)
 
 
-def test_lost_node_resumes_from_the_replica(tmp_path: Path, baseline: Path) -> None:
-    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "lost", disk_interval=1000)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lost_node_resumes_from_the_replica(
+    strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "lost", 1000, strategy)
     kept = max(held(nodes[0], job_id, run_dir.name)[2])  # what node A holds of node B's rank 2
     shutil.rmtree(nodes[1])  # node B is lost with its ranks' own snapshots
-    row = resumed(tmp_path, run_dir, nodes, job_id, baseline)
+    row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, strategy))
     assert row["resumed_from"] == "replica" and row["first_step"] == kept >= 6, row
     assert f"resumed from replica snapshot (step {kept})" in (run_dir / "rank0.log").read_text()
 
 
-def test_a_torn_snapshot_is_never_used(tmp_path: Path, baseline: Path) -> None:
+def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank 1's newest snapshot is truncated on its own node, and its replica on the other node
     has lost its manifest: no node has a whole copy, so that step is not used and the run resumes
     from the disk checkpoint (every 4 steps), although every other rank's copies are intact."""
-    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", disk_interval=4)
+    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", 4, "ddp")
     own = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[0], job_id, 0), run_dir.name, 1)
     replica = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[1], job_id, 0), run_dir.name, 1)
     newest = max(held(nodes[0], job_id, run_dir.name)[1])
@@ -140,7 +147,7 @@ def test_a_torn_snapshot_is_never_used(tmp_path: Path, baseline: Path) -> None:
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     rundir.manifest(rundir.step_dir(replica, newest)).unlink()
     disk = max(rundir.step_dirs(run_dir / "checkpoints"))
-    row = resumed(tmp_path, run_dir, nodes, job_id, baseline)
+    row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, "ddp"))
     assert newest > disk or row["resumed_from"] == "disk", "the disk checkpoint was newer anyway"
     assert row["resumed_from"] == "disk" and row["first_step"] == disk, row
     assert "not used" in (run_dir / "rank1.log").read_text() + (run_dir / "rank0.log").read_text()
