@@ -8,6 +8,7 @@ lost node) or a snapshot torn, the ranks are started again, and the run must end
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -26,7 +27,7 @@ from hpcrun.runtime import snapshot
 from hpcrun.site import load_site
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import STRATEGIES, losses, recipe, rows, site_copy, state, wait_for
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, wait_for
 from tests.test_fault_tolerance import alive, weights
 
 pytestmark = pytest.mark.slow
@@ -168,3 +169,25 @@ def test_verify_refuses_what_differs_from_the_manifest(tmp_path: Path) -> None:
     assert "c" in (snapshot.verify(done) or "")
     rundir.manifest(done).unlink()
     assert "missing" in (snapshot.verify(done) or "")
+
+
+def test_local_run_with_snapshots_finishes_identically(tmp_path: Path) -> None:
+    """`hpcrun submit --site local` with snapshots every 2 steps into the default scratch
+    (/dev/shm): the same weights and losses as with none, every snapshot taken and none failed,
+    and nothing left in /dev/shm."""
+    site = site_copy(tmp_path)
+    digests = {}
+    for interval in (0, 2):
+        path = recipe(
+            tmp_path, f"local-{interval}", training={"steps": 12, "micro_batch": 2, "seq_len": 32},
+            checkpoint={"interval": 5, "memory_interval": interval, "export_final": True},
+        )
+        run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(path)))
+        assert state(run_dir)["status"] == "completed", state(run_dir)
+        digests[interval] = (weights(run_dir), losses(run_dir))
+        job_id = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+        assert not rundir.snapshot_job_dir("/dev/shm", job_id, 0).exists()
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
+    # steps 2, 4, 6, 8 (10 saves to disk, 12 is the end)
+    assert "in-memory snapshots: 4," in logs and ", 0 failed" in logs, logs
+    assert digests[0] == digests[2]
