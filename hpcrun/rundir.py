@@ -406,16 +406,17 @@ def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> P
     return Path(scratch) / f"hpcrun-{allocation_id}-{restart}"
 
 
-def snapshot_rank_dir(job_dir: Path, run_id: str, rank: int) -> Path:
-    """One rank's snapshots, `<job dir>/<run id>/rank-NNNNN/`, each a checkpoint-like `step-N/`
-    directory (`step_dir`, `partial_step_dir`, `manifest`, `engine_state`, `trainer_state`)."""
-    return job_dir / run_id / f"rank-{rank:05d}"
+def snapshot_rank_dir(job_dir: Path, run_id: str, node: str, rank: int) -> Path:
+    """One rank's snapshots on node `node`, `<job dir>/<run id>/<node>/rank-NNNNN/`, each a
+    checkpoint-like `step-N/` directory (`step_dir`, `partial_step_dir`, `manifest`, `engine_state`,
+    `trainer_state`). The node's name keeps nodes apart where the scratch is shared after all."""
+    return job_dir / run_id / node / f"rank-{rank:05d}"
 
 
-def snapshot_ranks(job_dir: Path, run_id: str) -> dict[int, Path]:
-    """The rank directories this node holds of run `run_id`, by rank (its own and its replicas)."""
+def snapshot_ranks(job_dir: Path, run_id: str, node: str) -> dict[int, Path]:
+    """The rank directories node `node` holds of run `run_id`, by rank (its own and its replicas)."""
     found = {}
-    for path in (job_dir / run_id).glob("rank-*"):
+    for path in (job_dir / run_id / node).glob("rank-*"):
         digits = path.name.removeprefix("rank-")
         if digits.isdigit():
             found[int(digits)] = path

@@ -72,7 +72,7 @@ def held(node: Path, job_id: str, run_id: str) -> dict[int, list[int]]:
     job_dir = rundir.snapshot_job_dir(node, job_id, 0)
     return {
         rank: sorted(s for s, p in rundir.step_dirs(path).items() if rundir.manifest(p).exists())
-        for rank, path in rundir.snapshot_ranks(job_dir, run_id).items()
+        for rank, path in rundir.snapshot_ranks(job_dir, run_id, snapshot.node_name()).items()
     }
 
 
@@ -141,8 +141,9 @@ def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.
     has lost its manifest: no node has a whole copy, so that step is not used and the run resumes
     from the disk checkpoint (every 4 steps), although every other rank's copies are intact."""
     run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", 4, "ddp")
-    own = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[0], job_id, 0), run_dir.name, 1)
-    replica = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[1], job_id, 0), run_dir.name, 1)
+    host = snapshot.node_name()
+    own = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[0], job_id, 0), run_dir.name, host, 1)
+    replica = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[1], job_id, 0), run_dir.name, host, 1)
     newest = max(held(nodes[0], job_id, run_dir.name)[1])
     data = max((p for p in rundir.step_dir(own, newest).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])

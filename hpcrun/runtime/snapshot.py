@@ -4,7 +4,8 @@ Every `checkpoint.memory_interval` steps each rank writes its whole training sta
 checkpoint holds: the engine's DCP state, saved with no collective so that the rank's directory
 holds all it loads, and the trainer state: step, losses, RNG streams) into node-local scratch, a
 tmpfs that outlives the training processes:
-`<local_scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>/<run id>/rank-NNNNN/step-N/`.
+`<local_scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>/<run id>/<node>/rank-NNNNN/step-N/`
+(`<node>`: SLURMD_NODENAME, so nodes stay apart even where the scratch is shared).
 It is written under a temporary name, its manifest (the sha256 of every file) written last, then
 renamed into place. A background thread then sends the step to the rank of the same position on
 the next node (its peer), which writes and verifies it the same way; once every rank holds both
@@ -53,6 +54,11 @@ class Restored:
     source: str
     step: int
     state: dict[str, tp.Any]
+
+
+def node_name() -> str:
+    """This node's name as SLURM knows it (the test cluster's nodes share one hostname)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -155,7 +161,8 @@ class Snapshots:
     def __init__(self, scratch: Path, run_id: str, env: DistEnv) -> None:
         self.env, self.run_id = env, run_id
         self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.restart_count)
-        self.node = f"{socket.gethostname()}:{os.path.realpath(scratch)}"  # who shares this scratch
+        self.host = node_name()
+        self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
         distributed = dist.is_initialized() and env.world_size > 1
         # a group of its own: the background thread's sends and all-reduce never interleave with training's
         self.group = dist.new_group(backend="gloo") if distributed else None
@@ -168,7 +175,7 @@ class Snapshots:
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
 
     def rank_dir(self, rank: int) -> Path:
-        return rundir.snapshot_rank_dir(self.job_dir, self.run_id, rank)
+        return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
 
     def _gather(self, value: tp.Any) -> list[tp.Any]:
         if self.group is None:
@@ -180,7 +187,7 @@ class Snapshots:
     def inventory(self) -> list[tuple[int, int]]:
         """(rank, step) of every complete snapshot of this run's world size on this node."""
         found = []
-        for rank, path in rundir.snapshot_ranks(self.job_dir, self.run_id).items():
+        for rank, path in rundir.snapshot_ranks(self.job_dir, self.run_id, self.host).items():
             for step, step_path in rundir.step_dirs(path).items():
                 manifest = manifest_of(step_path)
                 if manifest and manifest.get("world_size") == self.env.world_size and manifest.get("step") == step:
@@ -367,7 +374,7 @@ class Snapshots:
             return
         for rank in self._held:
             shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
-        for parent in (self.job_dir / self.run_id, self.job_dir):
+        for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):
             try:
                 parent.rmdir()
             except OSError:  # another rank's directories are still there
