@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+# state.json's count of a job's restarts inside its allocations (fault.restarts_in_job; status's IN-JOB)
+IN_JOB = "restarts_in_job"
+
 
 class Phase(enum.Enum):
     PENDING = "pending"  # not started yet, or held: waits for SLURM or a person

@@ -82,6 +82,15 @@ class RunSpec(Frozen):
         return self.nodes * self.ranks_per_node
 
     @property
+    def spare_nodes(self) -> int:
+        return self.recipe.resources.spare_nodes
+
+    @property
+    def allocated_nodes(self) -> int:
+        """What the job holds: the training nodes and the hot spares."""
+        return self.nodes + self.spare_nodes
+
+    @property
     def launcher(self) -> str:
         job = self.recipe.job
         return job.launcher if job.kind == "command" else "srun"
@@ -133,12 +142,18 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             "resources.partition",
         )
     part = site.partitions[part_name]
-    if res.nodes > part.max_nodes:
+    if res.nodes + res.spare_nodes > part.max_nodes:
+        spares = f" + {res.spare_nodes} spare" if res.spare_nodes else ""
         raise HpcrunError(
-            f"must be <= {part.max_nodes}, the most partition {part_name!r} allows (got {res.nodes})",
+            f"must be <= {part.max_nodes}, the most partition {part_name!r} allows (got {res.nodes}{spares})",
             where,
-            "resources.nodes",
+            "resources.spare_nodes" if res.spare_nodes and res.nodes <= part.max_nodes else "resources.nodes",
         )
+    if res.spare_nodes and site.scheduler != "slurm":
+        raise HpcrunError("spare nodes need a SLURM site (a local run has one machine)", where, "resources.spare_nodes")
+    if res.spare_nodes and not recipe.fault.restarts_in_job:
+        raise HpcrunError("spare nodes are used only by restarts inside the job: set fault.restarts_in_job",
+                          where, "resources.spare_nodes")
     kind = "GPUs" if part.gpus_per_node else "CPUs (one process per rank)"
     if res.gpus_per_node > part.max_ranks_per_node:
         raise HpcrunError(

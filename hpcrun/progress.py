@@ -147,9 +147,19 @@ class RunStatus(tp.Protocol):
     @property
     def restarts(self) -> int: ...
     @property
+    def in_job(self) -> int: ...
+    @property
     def progress(self) -> Progress | None: ...
     @property
     def done(self) -> bool: ...
+
+
+def restarts_note(status: RunStatus) -> str:
+    """` (restarts 1, 2 in the job)`: requeues and restarts inside the job, when there were any."""
+    parts = ([f"restarts {status.restarts}"] if status.restarts else []) + (
+        [f"{status.in_job} in the job"] if status.in_job else []
+    )
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def live(status: RunStatus) -> bool:
@@ -179,7 +189,7 @@ def words(status: RunStatus, now: float) -> list[str]:
 
 def line(status: RunStatus, now: float) -> str:
     """One plain line for a run: `<run>: RUNNING step 40/100 (40%), loss 3.2101, ...`."""
-    head = f"{status.run_id}: {status.state}" + (f" (restarts {status.restarts})" if status.restarts else "")
+    head = f"{status.run_id}: {status.state}" + restarts_note(status)
     shown = words(status, now)
     return head + (" " + ", ".join(shown) if shown else "")
 
@@ -262,7 +272,7 @@ class Bars:
             if self.drawn.get(status.run_id) == key:
                 continue
             self.drawn[status.run_id] = key
-            head = f"{status.run_id} {status.state}" + (f" (restarts {status.restarts})" if status.restarts else "")
+            head = f"{status.run_id} {status.state}" + restarts_note(status)
             bar.set_description_str(head, refresh=False)
             if p is not None:
                 if bar.total != p.total:

@@ -65,6 +65,9 @@ class Resources(Frozen):
     partition: Token | None = None
     time: Minutes = 60
     cpus_per_task: int | None = pydantic.Field(default=None, ge=1)
+    spare_nodes: int = pydantic.Field(default=0, ge=0, le=16)
+    """Hot spares: the job holds `nodes + spare_nodes` nodes and trains on `nodes`; a node lost (or
+    excluded as slow) is replaced by a spare at the next restart inside the job (fault.restarts_in_job)."""
 
 
 class Training(Frozen):
@@ -138,6 +141,10 @@ class Fault(Frozen):
     hang_timeout_s: int | None = pydantic.Field(default=None, ge=10)
     """A rank that makes no step progress this long is hung: stacks are dumped and the attempt
     ends. None: derived from the first steps' measured step time (at least 300 s)."""
+    restarts_in_job: int = pydantic.Field(default=2, ge=0, le=20)
+    """On SLURM, how many times a failed training step (a dead, hung or lost rank) is started again
+    inside the same allocation, from the newest complete state, before the job falls back to a
+    requeue. 0: every failure requeues (through the queue). Stops for a signal always requeue."""
     exclude_failed_nodes: bool = True
     """A requeued job avoids nodes that failed during this run, while the partition has enough."""
     straggler_factor: float | None = pydantic.Field(default=2.0, gt=1)

@@ -9,10 +9,14 @@ from pathlib import Path
 
 import jinja2
 
-from hpcrun import __version__, slurm
+from hpcrun import __version__, rundir, slurm
 from hpcrun.fields import format_minutes
 from hpcrun.plan import RunSpec
 from hpcrun.site import shipped_dirs
+
+# How long a failed training step may outlive its first failed task before the batch script ends
+# srun: srun waits for every task's end, and a lost node's tasks never report one.
+STEP_GRACE_S = 10
 
 
 def quote(value: object) -> str:
@@ -102,4 +106,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         nvme_dir=spec.nvme_dir,
         hostname=site.network.hostname,
         comment=slurm.comment(tag),
+        starts_dir=rundir.STARTS,
+        step_grace_s=STEP_GRACE_S,
+        srun_ended=slurm.SRUN_ENDED,
     )

@@ -35,6 +35,7 @@ CONTROLLER_LOG = "controller.log"
 PROGRESS = "progress.json"
 TENSORBOARD = "tensorboard"
 EXITS = "exits"
+STARTS = "starts"  # starts/<SLURM job id>: one line per start of the training step (the batch script's count)
 LEDGER = "ledger.json"
 SWEEPS = "sweeps"
 LIGHTNING = "lightning"  # a Lightning command job's Trainer root (PL_TRAINER_DEFAULT_ROOT_DIR)

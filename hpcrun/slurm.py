@@ -63,6 +63,17 @@ def job_id(environ: tp.Mapping[str, str]) -> str:
     return f"{array}_{environ['SLURM_ARRAY_TASK_ID']}" if array else environ["SLURM_JOB_ID"]
 
 
+def requeue_count(environ: tp.Mapping[str, str]) -> int:
+    """SLURM's count of the job's requeues; hpcrun's local controller says which submission this is."""
+    return int(environ.get("SLURM_RESTART_COUNT", environ.get("HPCRUN_RESTART_COUNT", "0")) or 0)
+
+
+def attempt_number(environ: tp.Mapping[str, str]) -> int:
+    """hpcrun's attempt number in the job: every start of its training step, requeues and restarts
+    inside the job alike (the batch script counts them: HPCRUN_ATTEMPT)."""
+    return int(environ.get("HPCRUN_ATTEMPT") or requeue_count(environ))
+
+
 def compress_ids(job_ids: list[str]) -> list[str]:
     """Job ids as SLURM's tools take them, each array once: ["7", "9_0", "9_1", "9_2", "9_5"] ->
     ["7", "9_[0-2,5]"] (one argument, one request per array instead of one per task)."""
@@ -238,6 +249,16 @@ def attempt_states(allocation: str) -> list[str]:
 
 def hostnames(node_list: str) -> list[str]:
     return ["scontrol", "show", "hostnames", node_list]
+
+
+def probe_node(node: str) -> list[str]:
+    """A step of one task on `node` inside the current job (beside the step running this, hence
+    --overlap): it ends in milliseconds on a live node; a lost node's slurmd never answers."""
+    return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"]
+
+
+# The batch script's word, in srun's messages, when it ended an srun whose lost tasks never reported
+SRUN_ENDED = "[hpcrun] srun ended by the batch script"
 
 
 def node_states(nodes: list[str]) -> list[str]:

@@ -27,10 +27,13 @@ class RunStatus:
     nodes: str = ""
     elapsed_s: int | None = None
     restarts: int = 0
+    """Requeues (each a trip through the queue)."""
     reason: str = ""
     source: str = "sacct"
     progress: Progress | None = None  # rank 0's latest progress.json (any of the run's jobs)
     submitted: float | None = None  # when the job was submitted (jobs.json): local runs' elapsed time
+    in_job: int = 0
+    """Restarts of the training step inside the job's allocations (fault.restarts_in_job)."""
 
     @property
     def done(self) -> bool:
@@ -183,8 +186,8 @@ def statuses(run_dirs: list[Path], max_age: float = pollcache.POLL_S) -> list[Ru
     for status in result:
         p = status.progress
         mine = p if p is not None and p.job_id == status.job_id else None  # this job's, not an earlier one's
-        if mine is not None:  # the attempt now running may not have ended yet
-            status.restarts = max(status.restarts, mine.restart_count)
+        if mine is not None:  # the attempt now running may not have ended yet; its number counts both kinds
+            status.restarts = max(status.restarts, mine.restart_count - status.in_job)
         if status.source == "local" and status.elapsed_s is None and status.submitted is not None:
             end = now if status.state == jobstate.RUNNING else (mine.updated if mine is not None else None)
             status.elapsed_s = None if end is None else max(0, int(end - status.submitted))
@@ -211,6 +214,7 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
             continue
         mark = marker(run_dir)
         own = mark if mark.get("job_id") == job["job_id"] else {}
+        in_job = int(own.get(jobstate.IN_JOB) or 0)
         if job["scheduler"] == "local":
             state = jobstate.RUNNING if alive(job["job_id"]) else jobstate.from_marker(own.get("status", ""))
             submitted = job.get("submitted")
@@ -240,9 +244,10 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
                     state,
                     "",
                     None,
-                    int(own.get("restart_count", 0)),
+                    int(own.get("restart_count", 0)) - in_job,
                     run_notes(own.get("reason") or "", mark),
                     source,
+                    in_job=in_job,
                 )
             )
             continue
@@ -262,6 +267,7 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
                 row.records - 1,
                 run_notes(reason, mark),
                 source,
+                in_job=in_job,
             )
         )
     return result

@@ -18,6 +18,8 @@ from pathlib import Path
 from tests import pool
 
 NODES = pool.nodes()
+SPARE = pool.spare_node()
+TESTCLUSTER = Path(__file__).parent / "cluster" / "testcluster.sh"
 
 
 def node_pids(node: str) -> list[int]:
@@ -33,14 +35,17 @@ def environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def rank_pid(allocation_id: str, rank: int, timeout: float = 60) -> tuple[int, str]:
-    """The pid of `rank`'s task (python -m hpcrun.launch) in job `allocation_id`, and its node.
-    Looks at least once (timeout=0: one look), then until `timeout` s have passed."""
+def rank_pid(allocation_id: str, rank: int, timeout: float = 60, attempt: int | None = None) -> tuple[int, str]:
+    """The pid of `rank`'s task (python -m hpcrun.launch) in job `allocation_id` (of hpcrun's
+    `attempt` number, when given), and its node. Looks at least once (timeout=0: one look), then
+    until `timeout` s have passed."""
     deadline = time.time() + timeout
     while True:
-        for node in NODES:
+        for node in NODES + ((SPARE,) if SPARE else ()):
             for pid in node_pids(node):
                 env = environ(pid)
+                if attempt is not None and env.get("HPCRUN_ATTEMPT") != str(attempt):
+                    continue
                 if env.get("SLURM_JOB_ID") == allocation_id and env.get("SLURM_PROCID") == str(rank):
                     try:
                         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -54,21 +59,22 @@ def rank_pid(allocation_id: str, rank: int, timeout: float = 60) -> tuple[int, s
     raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {NODES}")
 
 
-def ranks_alive(allocation_id: str, world: int) -> list[int]:
-    """The ranks of job `allocation_id` whose task still runs (one look)."""
+def ranks_alive(allocation_id: str, world: int, attempt: int | None = None) -> list[int]:
+    """The ranks of job `allocation_id` (of hpcrun's `attempt` number, when given) whose task still
+    runs (one look)."""
     alive = []
     for rank in range(world):
         try:
-            rank_pid(allocation_id, rank, timeout=0)
+            rank_pid(allocation_id, rank, timeout=0, attempt=attempt)
             alive.append(rank)
         except AssertionError:
             pass
     return alive
 
 
-def signal_rank(allocation_id: str, rank: int, sig: signal.Signals = signal.SIGKILL) -> str:
+def signal_rank(allocation_id: str, rank: int, sig: signal.Signals = signal.SIGKILL, attempt: int | None = None) -> str:
     """SIGKILL (a dead rank) or SIGSTOP (a hung one) to one rank; returns its node."""
-    pid, node = rank_pid(allocation_id, rank)
+    pid, node = rank_pid(allocation_id, rank, attempt=attempt)
     os.kill(pid, sig)
     return node
 
@@ -156,7 +162,8 @@ def power_on(node: str, timeout: float = 90) -> None:
     if not any(
         b"slurmd" in Path(f"/proc/{p}/comm").read_bytes() for p in node_pids(node) if Path(f"/proc/{p}/comm").exists()
     ):
-        subprocess.run(["ip", "netns", "exec", node, "slurmd", "-N", node], check=True)
+        # with a new empty node-local scratch, as a rebooted node has
+        subprocess.run(["bash", str(TESTCLUSTER), "slurmd", node], check=True)
     deadline = time.time() + timeout
     while time.time() < deadline:
         state = node_state(node)

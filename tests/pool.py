@@ -24,13 +24,23 @@ def index() -> int:
 
 
 def partition(name: str) -> str:
-    """`batch` or `urgent`, as this pool calls it (`all` spans every pool)."""
-    return name if index() == 0 or name not in ("batch", "urgent") else f"{name}{index()}"
+    """`batch`, `urgent` or `spare` (its two nodes and a spare node), as this pool calls it (`all`
+    spans every pool)."""
+    return name if index() == 0 or name not in ("batch", "urgent", "spare") else f"{name}{index()}"
 
 
 def nodes() -> tuple[str, str]:
     k = index()
     return f"node{2 * k + 1}", f"node{2 * k + 2}"
+
+
+def spare_node() -> str | None:
+    """The pool's hot spare (partition `spare`, tests/cluster/testcluster.sh), None without one."""
+    import subprocess
+
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", partition("spare"), "-o", "%N"], capture_output=True, text=True)
+    extra = sorted(set(out.stdout.split()) - set(nodes())) if out.returncode == 0 else []
+    return extra[0] if extra else None
 
 
 def node_list() -> str:

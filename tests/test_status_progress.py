@@ -67,11 +67,11 @@ def test_status_of_a_running_local_run_reads_its_progress(tmp_path: Path, sleepe
     out = cli("status", str(run_dir))
     assert out.exit_code == 0, out.output
     header, line = out.stdout.splitlines()
-    assert header.split()[6:11] == ["STEP", "%", "TOK/S", "ETA", "CKPT"], header
+    assert header.split()[5:11] == ["RESTARTS", "IN-JOB", "STEP", "%", "TOK/S", "ETA"], header
     fields = line.split()
     assert fields[:3] == ["r-live", str(sleeper), "RUNNING"]
     assert fields[4] in ("2:05", "2:06", "2:07")  # ELAPSED of a local run: from jobs.json's submit time
-    assert fields[5] == "2"  # restarts: the running attempt's, from its progress
+    assert fields[5:7] == ["2", "0"]  # restarts: the running attempt's, from its progress; none in the job
     match = LIVE.search(line)
     assert match and (match["step"], match["total"], match["percent"], match["rate"]) == ("40", "100", "40", "12.3k"), (
         line

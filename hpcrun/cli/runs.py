@@ -23,8 +23,8 @@ from hpcrun.rundir import RunDir
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="With --wait: stop following after SECONDS, exit status 124 if a run has not ended.")
 def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -> None:
-    """State, nodes, elapsed time, restarts and, while training, step of total, tokens/s, ETA
-    and newest checkpoint of runs (one scheduler query for all, shared with this user's other
+    """State, nodes, elapsed time, requeues and restarts inside the job and, while training, step
+    of total, tokens/s, ETA and newest checkpoint of runs (one scheduler query for all, shared with this user's other
     hpcrun processes). RUN may be a run id, a sweep id or a unique prefix; without it, every run."""
     import time
 
@@ -53,7 +53,7 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
     width = max(24, *(len(r.run_id) for r in rows))
     now = time.time()
     lines = [
-        f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} "
+        f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} {'IN-JOB':>6} "
         f"{'STEP':>13} {'%':>4} {'TOK/S':>6} {'ETA':>8} {'CKPT':>6}  REASON"
     ]
     for r in rows:
@@ -64,7 +64,8 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
         eta = duration(p.eta_now(now)) if p and live(r) else ""
         ckpt = "" if p is None or p.checkpoint_step is None else str(p.checkpoint_step)
         scheduled = (
-            f"{r.run_id:{width}} {r.job_id:>10} {r.state:12} {r.nodes:12} {duration(r.elapsed_s):>8} {r.restarts:>8}"
+            f"{r.run_id:{width}} {r.job_id:>10} {r.state:12} {r.nodes:12} {duration(r.elapsed_s):>8} "
+            f"{r.restarts:>8} {r.in_job:>6}"
         )
         lines.append(f"{scheduled} {step:>13} {percent:>4} {tokens:>6} {eta:>8} {ckpt:>6}  {r.reason}".rstrip())
     click.echo("\n".join(lines))

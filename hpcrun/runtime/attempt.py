@@ -32,7 +32,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     # every rank's own log says whose it is: a failure is read in one rank's file
     print(
         f"[hpcrun] rank {env.rank}/{env.world_size} (local {env.local_rank}) "
-        f"on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, restart {env.restart_count}",
+        f"on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, attempt {env.restart_count}"
+        f" (requeues {env.requeues})",
         flush=True,
     )
     if spec.recipe.job.kind != "command":  # a command job's own script owns MASTER_PORT
@@ -42,7 +43,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     ctx = Context(spec, env, FLAG)
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
         try:
-            lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.allocation_id)
+            lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.requeues,
+                                        env.allocation_id)
         except HpcrunError as exc:  # accounting unreachable from the node: train on, unrecorded
             lost = None
             ctx.info(f"could not check how the previous attempt ended: {exc.format_message()}")
@@ -82,7 +84,7 @@ def stop_decision(ctx: Context) -> tuple[str, str | None]:
     where = f"{ctx.stopped} at step {ctx.step + 1}"
     if ctx.spec.scheduler != "slurm":
         return "stopped", f"{where}; continue with hpcrun resume"
-    if ctx.env.restart_count >= cap:
+    if ctx.env.requeues >= cap:
         return "failed", f"requeue cap reached ({cap} requeues); {where}"
     return "requeued", where
 
@@ -93,7 +95,7 @@ def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     (120 s by default) before it may start again: a floor on requeue latency set by the site."""
     # env.job_id is hpcrun.slurm.job_id: `<array>_<index>` for array tasks. Should SLURM's tool fail,
     # this rank fails, and the failure step after srun tries again
-    failure.requeue(run_dir, env.job_id, env.restart_count, last_try=False)
+    failure.requeue(run_dir, env.job_id, env.restart_count, env.requeues, last_try=False)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
@@ -135,7 +137,7 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
         if m.losses:
             atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
         wrote = True
-        return {**attempt, **failure.run_long(current)}  # failed and excluded nodes stay the run's
+        return {**attempt, **failure.run_long(current, job_id)}  # failed and excluded nodes stay the run's
 
     ctx.run_dir.update_state(merge)
     return row if wrote else {}

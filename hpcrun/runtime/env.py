@@ -20,9 +20,13 @@ class DistEnv:
     device: torch.device
     backend: str
     restart_count: int
+    """hpcrun's attempt number in this job: every start of the training step, by a requeue or a
+    restart inside the job (the batch script's HPCRUN_ATTEMPT); names the attempt's files and rows."""
     job_id: str
     node_list: str
     allocation_id: str  # the scheduler's own id of this allocation (SLURM_JOB_ID, unique per array task)
+    requeues: int = 0
+    """SLURM's count of this job's requeues (SLURM_RESTART_COUNT): what the requeue cap counts."""
 
     @property
     def is_main(self) -> bool:
@@ -83,8 +87,8 @@ def _env(rank: int, local_rank: int, world: int, job_id: str, allocation_id: str
         world_size=world,
         device=device,
         backend=backend,
-        # SLURM counts requeues; hpcrun's local controller is told which submission this is
-        restart_count=int(os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPCRUN_RESTART_COUNT", "0"))),
+        restart_count=slurm.attempt_number(os.environ),
+        requeues=slurm.requeue_count(os.environ),
         job_id=job_id,
         node_list=os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename),
         allocation_id=allocation_id,

@@ -18,6 +18,7 @@ Runs on the batch node after srun: imports no torch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import json
@@ -51,6 +52,10 @@ RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
 # state.json's status from the decision to requeue until SLURM's answer (settle): then
 # `requeued`, or `stopped` with why not
 REQUEUEING = "requeueing"
+# state.json's reason when the failure step starts the training step again inside the job
+RESTARTING = "restarting in the job"
+# how long a probe step may take to answer before its node counts as lost (a live one: milliseconds)
+PROBE_S = 5.0
 # a rank's watchdog's word (hpcrun.runtime.watchdog); the writer adds which ranks went silent
 HUNG = "hung (no step progress for fault.hang_timeout_s)"
 
@@ -79,9 +84,37 @@ class Failure:
         return {"step": self.step, "error": self.what}
 
 
-def job_ids() -> tuple[str, int]:
-    """This attempt's job id as the ranks name it (`<array>_<index>` for array tasks) and restart."""
-    return slurm.job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+def job_ids() -> tuple[str, int, int]:
+    """This attempt's job id as the ranks name it (`<array>_<index>` for array tasks), hpcrun's
+    attempt number and SLURM's requeue count (hpcrun.runtime.env)."""
+    return slurm.job_id(os.environ), slurm.attempt_number(os.environ), slurm.requeue_count(os.environ)
+
+
+def lost_step_nodes(step_nodes: list[str], srun_stderr: str) -> list[str]:
+    """The nodes of a step the batch script had to end (its lost tasks never reported) that do not
+    answer a probe step now: lost. A probe ends in milliseconds on a live node."""
+    if slurm.SRUN_ENDED not in srun_stderr:
+        return []
+
+    def dead(node: str) -> bool:
+        try:
+            return slurm.run(slurm.probe_node(node), timeout=PROBE_S).returncode != 0
+        except HpcrunError:  # no answer within PROBE_S
+            return True
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(step_nodes) or 1) as pool:
+        return [n for n, gone in zip(step_nodes, pool.map(dead, step_nodes)) if gone]
+
+
+def restart_nodes(spec: RunSpec, state: dict[str, tp.Any], step_nodes: list[str], allocated: list[str],
+                  lost: list[str]) -> list[str] | None:
+    """The nodes of the next start inside the job: the step's own in their order, less the lost and
+    excluded ones, topped up from the job's other nodes (the hot spares); None when too few are left."""
+    avoid = set(lost) | set(state.get("excluded_nodes") or []) | set(state.get("failed_nodes") or [])
+    keep = [n for n in step_nodes if n not in avoid]
+    spares = [n for n in allocated if n not in avoid and n not in keep]
+    chosen = (keep + spares)[: spec.nodes]
+    return chosen if len(chosen) == spec.nodes else None
 
 
 def newest_checkpoint(run_dir: RunDir) -> int | None:
@@ -136,8 +169,13 @@ def first_failure(srun_stderr: str, records: list[dict[str, tp.Any]]) -> Failure
     return found[0] if found else None
 
 
-def run_long(state: dict[str, tp.Any]) -> dict[str, tp.Any]:
-    return {k: state[k] for k in RUN_LONG if k in state}
+def run_long(state: dict[str, tp.Any], job_id: str | None = None) -> dict[str, tp.Any]:
+    """What state.json keeps across attempts: the run's nodes and slow ranks, and the count of
+    restarts inside `job_id` while it is that job's."""
+    kept = {k: state[k] for k in RUN_LONG if k in state}
+    if job_id is not None and state.get("job_id") == job_id and state.get(jobstate.IN_JOB):
+        kept[jobstate.IN_JOB] = state[jobstate.IN_JOB]
+    return kept
 
 
 def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
@@ -187,7 +225,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     from hpcrun.results import write_attempt
 
     spec = RunSpec.model_validate(read_json(run_dir.spec, None))
-    job_id, restart = job_ids()
+    job_id, restart, requeues = job_ids()
     records = [r for r in (read_json(p, None) for p in run_dir.exit_records(job_id, restart)) if isinstance(r, dict)]
     failure = first_failure(srun_stderr, records)
     if failure is None:
@@ -196,8 +234,17 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     failure = name_silent(run_dir, job_id, restart, failure, own, spec.world_size)
     signature = failure.signature(newest_checkpoint(run_dir))
     said = rank_row(own or next(iter(records), None) or {})
-    row = {**plan_row(spec, job_id, restart, os.environ.get("SLURM_JOB_NODELIST")), **said}
+    step_nodes = (os.environ.get("HPCRUN_STEP_NODES") or "").split(",") if os.environ.get("HPCRUN_STEP_NODES") else []
+    row = {**plan_row(spec, job_id, restart, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
     cap = spec.recipe.checkpoint.max_requeues
+    in_job = int(os.environ.get("HPCRUN_RESTARTS_jobstate.IN_JOB") or 0)
+    next_file = os.environ.get("HPCRUN_NEXT_NODES")
+    may_restart = bool(next_file) and in_job < spec.recipe.fault.restarts_in_job
+    lost = lost_step_nodes(step_nodes, srun_stderr) if may_restart else []
+    if lost:
+        failure = dataclasses.replace(failure, what=f"{failure.what}; node lost: {','.join(lost)}")
+    allocated = hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if may_restart and spec.spare_nodes else step_nodes
+    room = partition_size(spec.partition) if lost and spec.recipe.fault.exclude_failed_nodes else 0
     decided: dict[str, tp.Any] = {}
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
@@ -209,9 +256,19 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
             state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
         )
         reason = failure.describe()
+        long = run_long(state, job_id)
+        if lost:
+            long["failed_nodes"] = sorted(set(state.get("failed_nodes") or []) | set(lost))
+            long["excluded_nodes"] = exclusions(state, lost, room, spec.nodes)
+        nodes = restart_nodes(spec, state, step_nodes, allocated, lost) if may_restart else None
         if signature == previous:
             reason += "; the same failure as the previous attempt (same step, same error): not requeued"
-        elif restart >= cap:
+        elif nodes is not None:
+            decided["restart"] = nodes
+            reason += f"; {RESTARTING} ({in_job + 1} of {spec.recipe.fault.restarts_in_job})"
+            if set(nodes) - set(step_nodes):
+                reason += f" on {','.join(nodes)}"
+        elif requeues >= cap:
             reason += f"; requeue cap reached ({cap} requeues)"
         else:
             decided["requeue"] = True
@@ -220,25 +277,30 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         # the row before the state, so whoever reads "failed" finds it (see attempt.finish)
         row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
         write_attempt(spec.results_dir, row)
-        return {**run_long(state), "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
-                "step": row.get("last_step"), "failure": signature}
+        restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if nodes is not None else 0)
+        return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
+                "step": row.get("last_step"), "failure": signature, jobstate.IN_JOB: restarts}
 
     run_dir.update_state(merge)
-    if decided.get("requeue"):
-        requeue(run_dir, job_id, restart)
+    if decided.get("restart") and next_file:
+        with open(next_file, "w") as out:  # the batch script starts the step again on these nodes
+            out.write(",".join(decided["restart"]) + "\n")
+    elif decided.get("requeue"):
+        requeue(run_dir, job_id, restart, requeues)
     return decided.get("reason")
 
 
-def requeue(run_dir: RunDir | None, job: str, restart: int, last_try: bool = True) -> None:
+def requeue(run_dir: RunDir | None, job: str, restart: int, requeues: int | None = None, last_try: bool = True) -> None:
     """Requeue `job` after its attempt `restart`, unless SLURM is already doing so (preemption and
     NODE_FAIL requeue by themselves, and twice would count twice); then, while it is pending (the
     only time SLURM accepts it), exclude the nodes this run lost. SLURM holds a requeued job for
     the site's `AuthInfo=cred_expire` (120 s by default) before it may start again, so the
     exclusion lands before that. state.json then says what SLURM did (`settle`). A SLURM tool that
     fails is one line (HpcrunError); unless it was the `last_try`, the attempt stays REQUEUEING for
-    the failure step, which tries again."""
+    the failure step, which tries again. `restart` is hpcrun's attempt number, `requeues` SLURM's
+    count (the same unless the job restarted inside itself)."""
     try:
-        why_not = _requeue(run_dir, job, restart)
+        why_not = _requeue(run_dir, job, restart if requeues is None else requeues)
     except HpcrunError as exc:
         if last_try:
             settle(run_dir, job, restart, f"not requeued: {exc.format_message()}")
@@ -246,13 +308,13 @@ def requeue(run_dir: RunDir | None, job: str, restart: int, last_try: bool = Tru
     settle(run_dir, job, restart, why_not)
 
 
-def _requeue(run_dir: RunDir | None, job: str, restart: int) -> str | None:
+def _requeue(run_dir: RunDir | None, job: str, requeues: int) -> str | None:
     """None once the job is requeued, else why it is not."""
     shown = slurm.run(slurm.show_job(job))
     if shown.returncode != 0:
         raise HpcrunError(f"scontrol show job {job} failed: {one_line(shown)}")
     fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
-    if int(fields.get("Restarts") or 0) > restart:  # SLURM counts a requeue as it makes it
+    if int(fields.get("Restarts") or 0) > requeues:  # SLURM counts a requeue as it makes it
         return None
     if fields.get("JobState") != jobstate.RUNNING:  # cancelled, or ended by its batch shell
         return f"not requeued: the job is {fields.get('JobState') or 'gone'}"
@@ -363,11 +425,13 @@ def record_slow(run_dir: RunDir, spec: RunSpec, found: dict[str, float], nodes: 
     run_dir.update_state(merge)
 
 
-def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allocation_id: str) -> str | None:
+def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, requeues: int,
+                 allocation_id: str) -> str | None:
     """At an attempt's start (rank 0): when the previous attempt ended without a word, because
     SLURM requeued the job after NODE_FAIL, record it (a results row, state.json's failed nodes)
-    and decide which nodes later attempts exclude. Returns the recorded reason."""
-    if restart == 0:
+    and decide which nodes later attempts exclude. Returns the recorded reason. `restart` is
+    hpcrun's attempt number, `requeues` SLURM's count (sacct's record of each start)."""
+    if requeues == 0 or restart == 0:
         return None
 
     def said(state: dict[str, tp.Any]) -> bool:
@@ -378,9 +442,9 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, allo
     # the previous attempt's record by its place (one per start, oldest first), not as the
     # next-to-last: slurmdbd may not hold this attempt's own record yet
     starts = sacct_attempts(allocation_id)
-    if len(starts) < restart or starts[restart - 1][0] != jobstate.NODE_FAIL:
+    if len(starts) < requeues or starts[requeues - 1][0] != jobstate.NODE_FAIL:
         return None
-    previous = starts[restart - 1][1]
+    previous = starts[requeues - 1][1]
     lost = lost_nodes(previous)
     room = partition_size(spec.partition) if spec.recipe.fault.exclude_failed_nodes else 0
     reason = f"node lost (NODE_FAIL): {','.join(lost)}; requeued by SLURM"

@@ -2,6 +2,7 @@
 # A real SLURM cluster on this machine, for hpcrun's integration tests.
 #
 #   tests/cluster/testcluster.sh up [--nodes N]   install (Debian packages) and start everything; idempotent
+#   tests/cluster/testcluster.sh slurmd NODE      start one node's slurmd (a node powered off by tests/faults.py)
 #   tests/cluster/testcluster.sh install          only the Debian packages (.ci/run: beside pip's installs)
 #   tests/cluster/testcluster.sh status           daemons, nodes and partitions
 #   tests/cluster/testcluster.sh down             stop the daemons and remove the namespaces
@@ -17,7 +18,11 @@
 # 8 nodes, `scale` spans the upper half (the scale tests', tests/test_cluster_campaign.py). A user
 # `hpcwatch` runs the polling test's watchers (SLURM counts RPCs per user); `hpcquota` may hold 25 jobs
 # (MaxSubmitJobs, enforced: the sweep-deferral test; 10 in QOS capped, 30 in QOS wide).
-# N defaults to 2 (one pool), or to the node count of a cluster already up.
+# N defaults to 2 (one pool), or to the node count of a cluster already up. Beside them, each pool
+# outside `scale` has a spare node, node(N+k+1), and a partition `spare`/`sparek` of its two nodes
+# and that one (the hot-spare tests, resources.spare_nodes); `all` leaves the spares out.
+# Each node has node-local scratch, a tmpfs at $LOCAL mounted in the mount namespace its slurmd
+# (and so every job process on it) lives in: gone when the node is powered off, as on real nodes.
 # Needs root. See shared notes/slurm-testbed.md for why each setting is here.
 set -euo pipefail
 
@@ -28,6 +33,7 @@ IFACE=hpc0
 ETC=/etc/slurm
 SHARED=/var/tmp/hpcrun-testcluster
 LOGS=/var/log/slurm
+LOCAL=/run/hpcrun-node-local
 
 log() { printf '[testcluster] %s\n' "$*" >&2; }
 
@@ -162,24 +168,27 @@ CONF
   return 1
 }
 
-node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}", in pools of two
+node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}": pools of two, then the spares
   local i=11 node pool
   for node in "${NODES[@]}"; do
     echo "NodeName=$node NodeAddr=$NET.$i CPUs=2 RealMemory=4000 State=UNKNOWN"
     i=$((i + 1))
   done
   # GraceTime 0 (the default): a preempted job gets USR2 and SIGTERM together, SIGKILL KillWait later
-  for ((pool = 0; pool < ${#NODES[@]} / 2; pool++)); do
-    local members="${NODES[$((2 * pool))]},${NODES[$((2 * pool + 1))]}" suffix=""
+  for ((pool = 0; pool < ${#POOLED[@]} / 2; pool++)); do
+    local members="${POOLED[$((2 * pool))]},${POOLED[$((2 * pool + 1))]}" suffix=""
     [ "$pool" -gt 0 ] && suffix=$pool
     echo "PartitionName=batch$suffix Nodes=$members$([ "$pool" -eq 0 ] && echo ' Default=YES') MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
     echo "PartitionName=urgent$suffix Nodes=$members MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF"
+    if [ "$pool" -lt "${#SPARES[@]}" ]; then
+      echo "PartitionName=spare$suffix Nodes=$members,${SPARES[$pool]} MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
+    fi
   done
-  echo "PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
+  echo "PartitionName=all Nodes=$(IFS=,; echo "${POOLED[*]}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
   # from 8 nodes: the upper half for the scale tests (a 1,000-point campaign, training on 4 nodes),
   # apart from the pools of the first half, where CI runs the other cluster tests at the same time
-  if [ "${#NODES[@]}" -ge 8 ]; then
-    echo "PartitionName=scale Nodes=$(IFS=,; echo "${NODES[*]:${#NODES[@]}/2}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
+  if [ "${#POOLED[@]}" -ge 8 ]; then
+    echo "PartitionName=scale Nodes=$(IFS=,; echo "${POOLED[*]:${#POOLED[@]}/2}") MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
   fi
 }
 
@@ -257,22 +266,28 @@ start_slurm() {
   fi
   wait_for 60 slurmctld scontrol ping
   for node in "${NODES[@]}"; do
-    if ! pgrep -f "^slurmd -N $node\$" >/dev/null; then
-      mkdir -p "/var/spool/slurmd/$node"
-      ip netns exec "$node" slurmd -N "$node"
-    fi
+    pgrep -f "^slurmd -N $node\$" >/dev/null || start_slurmd "$node"
   done
   # nodes that were down from an earlier run come back once their slurmd answers
   scontrol update nodename="$(IFS=,; echo "${NODES[*]}")" state=resume >/dev/null 2>&1 || true
   wait_for 90 "all ${#NODES[@]} nodes idle" nodes_idle
 }
 
+start_slurmd() {  # NODE: its slurmd, in a mount namespace of its own holding the node's scratch
+  local node=$1
+  mkdir -p "/var/spool/slurmd/$node" "$LOCAL"
+  # `ip netns exec` gives each call a new mount namespace (mounts in it do not reach the host): a
+  # tmpfs mounted there is seen by this slurmd and every job process it starts, and by nothing else
+  ip netns exec "$node" sh -c 'mount -t tmpfs -o size=1g,mode=1777 hpcrun-node-local "$1" && exec slurmd -N "$2"' \
+    sh "$LOCAL" "$node"
+}
+
 nodes_up() {  # every node answers (idle, or running jobs)
-  [ "$(sinfo -h -p all -N -o '%N %t' | grep -cE ' (idle|mix|alloc)$')" -eq "${#NODES[@]}" ]
+  [ "$(sinfo -h -N -o '%N %t' | sort -u | grep -cE ' (idle|mix|alloc)$')" -eq "${#NODES[@]}" ]
 }
 
 nodes_idle() {
-  [ "$(sinfo -h -p all -N -o '%N %t' | grep -c ' idle$')" -eq "${#NODES[@]}" ]
+  [ "$(sinfo -h -N -o '%N %t' | sort -u | grep -c ' idle$')" -eq "${#NODES[@]}" ]
 }
 
 running_nodes() {  # the node count of the cluster up now (0: none)
@@ -339,9 +354,10 @@ down() {
   log "down (munge and MariaDB left running; they are harmless and slow to restart)"
 }
 
-count=
+count= node_arg=
 command=${1:-}
 [ $# -gt 0 ] && shift
+if [ "$command" = slurmd ]; then node_arg=${1:?usage: $0 slurmd NODE}; shift; fi
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) count=${2:-}; shift 2 || true ;;
@@ -349,19 +365,25 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ -z "$count" ]; then
-  count=$(running_nodes 2>/dev/null || echo 0)
+  # the pooled nodes of a cluster up now (`all` leaves the spares out)
+  count=$(sinfo -h -p all -N -o '%N' 2>/dev/null | sort -u | wc -l || echo 0)
   [ "$count" -ge 2 ] || count=2
 fi
 if ! [[ "$count" =~ ^[0-9]+$ ]] || [ "$count" -lt 2 ] || [ $((count % 2)) -ne 0 ] || [ "$count" -gt 64 ]; then
   echo "--nodes: an even number from 2 to 64, not '$count'" >&2; exit 2
 fi
-NODES=()
-for ((n = 1; n <= count; n++)); do NODES+=("node$n"); done
+POOLED=() SPARES=()
+for ((n = 1; n <= count; n++)); do POOLED+=("node$n"); done
+# one spare per pool outside `scale` (the upper half from 8 nodes)
+spares=$(( count >= 8 ? count / 4 : count / 2 ))
+for ((n = count + 1; n <= count + spares; n++)); do SPARES+=("node$n"); done
+NODES=("${POOLED[@]}" "${SPARES[@]}")
 
 case "$command" in
   up) up ;;
   install) install_packages ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up [--nodes N]|install|down|status" >&2; exit 2 ;;
+  slurmd) start_slurmd "$node_arg" ;;
+  *) echo "usage: $0 up [--nodes N]|install|down|status|slurmd NODE" >&2; exit 2 ;;
 esac

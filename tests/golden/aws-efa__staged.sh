@@ -26,20 +26,18 @@ export GLOO_SOCKET_IFNAME=enp71s0
 export NCCL_PROTO=simple
 export NCCL_SOCKET_IFNAME=enp71s0
 
-# Rendezvous on the first node, spelled as its high-speed hostname.
-first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_ADDR="$first_node"
-export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 
 # srun's messages (and exit status), kept aside for the failure step below; removed however the script ends.
 srun_stderr=$(mktemp)
-trap 'rm -f "$srun_stderr" "$srun_stderr.status"' EXIT
+trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
 
-# One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables).
+# One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
+# on the first 1 nodes of the allocation.
 # A failed step is recorded once, here, after it: which task ended first (srun's messages,
-# shown as they come and kept aside), the one results row, and the requeue decision
-# (hpcrun.runtime.failure). A pipeline, not `2> >(tee ...)`: bash waits for tee to finish.
+# shown as they come and kept aside), the one results row, and what comes next
+# (hpcrun.runtime.failure): the step again inside this job, on the nodes it names (up to
+# fault.restarts_in_job times), a requeue, or the end. A pipeline, not `2> >(tee ...)`: bash waits for tee.
 exec 3>&1
 # A stop signal to this shell (scancel --batch or --full, a site's --signal=B:..., a wrapper)
 # would end it, and the job as FAILED, by bash's default action: pass it to the ranks instead
@@ -48,27 +46,62 @@ exec 3>&1
 # until its subshell is gone (a trapped signal ends `wait` early); the subshell keeps its status.
 # The subshell and tee ignore the signals (`--full` sends them to every process of this step):
 # killed, the step's status would be lost while the ranks still save. srun sets its own handlers.
-trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
-trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
-( trap '' USR2 TERM
-  set +e
-  srun --unbuffered --kill-on-bad-exit=1 \
-  --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
+nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1 | paste -sd, -)
+starts="$run_dir"/starts/"$SLURM_JOB_ID"
+mkdir -p "${starts%/*}"
+restarts_in_job=0
+while :; do
+  # hpcrun's attempt number: every start of the step in this job, requeues and restarts in it alike
+  HPCRUN_ATTEMPT=0
+  [ ! -f "$starts" ] || HPCRUN_ATTEMPT=$(wc -l <"$starts")
+  echo "$SLURM_RESTART_COUNT $restarts_in_job $(date +%s) $nodes" >>"$starts"
+  export HPCRUN_ATTEMPT HPCRUN_RESTARTS_IN_JOB=$restarts_in_job
+  # Rendezvous on the step's first node, spelled as its high-speed hostname; a port of this attempt's
+  # (the last one's may linger in TIME_WAIT)
+  export MASTER_ADDR="${nodes%%,*}"
+  export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 997 * HPCRUN_ATTEMPT) % 12000))
+  rm -f "$srun_stderr.next" "$srun_stderr.status"
+  : >"$srun_stderr"
+  trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
+  trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
+  ( trap '' USR2 TERM
+    set +e
+    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=2 \
+    --ntasks-per-node=2 --nodelist="$nodes" \
+    --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
-  python -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee "$srun_stderr" >&2
-  echo "${PIPESTATUS[0]}" >"$srun_stderr.status" ) &
-step=$!
-until wait "$step" || ! kill -0 "$step" 2>/dev/null; do :; done
-step_status=$(cat "$srun_stderr.status" 2>/dev/null || true)
-step_status=${step_status:-1}  # no status: the subshell was killed
-# the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
-trap '' USR2 TERM
-if [ "$step_status" -ne 0 ]; then
+    python -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee -a "$srun_stderr" >&2
+    echo "${PIPESTATUS[0]}" >"$srun_stderr.status" ) &
+  step=$!
+  # srun waits for every task to report its end, and a lost node's never do: once a task has
+  # failed, a step still there 10 s later is ended here (its tasks on live nodes are gone).
+  # SLURM counts such a step as running until it drops the lost node: the steps after it --overlap.
+  failed_at=
+  while kill -0 "$step" 2>/dev/null; do
+    sleep 1 & wait $! || true
+    if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
+      failed_at=$SECONDS
+    elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
+      echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
+      pkill -KILL -P "$step" -x srun || true
+      failed_at=$((SECONDS + 3600))
+    fi
+  done
+  until wait "$step" || ! kill -0 "$step" 2>/dev/null; do :; done
+  step_status=$(cat "$srun_stderr.status" 2>/dev/null || true)
+  step_status=${step_status:-1}  # no status: the subshell was killed
+  # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
+  trap '' USR2 TERM
+  [ "$step_status" -ne 0 ] || break
   # one task on this node, inside the same container as the ranks: the interpreter named by
   # the site exists there, and so does hpcrun
-  srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist="$SLURMD_NODENAME" \
+  HPCRUN_STEP_NODES=$nodes HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
+    --nodelist="$SLURMD_NODENAME" \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
-  python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
+    python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
     || echo "[hpcrun] the failure step exited $? (none starts once SLURM ends or requeues the job)" >&2
-fi
+  [ -s "$srun_stderr.next" ] || break
+  nodes=$(cat "$srun_stderr.next")
+  restarts_in_job=$((restarts_in_job + 1))
+done
 exit "$step_status"

@@ -1,0 +1,152 @@
+"""Recovery inside the allocation on the real SLURM test cluster (fault.restarts_in_job,
+resources.spare_nodes): a SIGKILLed rank, a hung rank and a lost node end the attempt, and the
+batch script starts the training step again in the same job (sacct shows one attempt, no
+REQUEUED); restarts exhausted fall back to a requeue. Each run ends with the weights (sha256) of
+the same training never interrupted. Jobs are bounded by time (a pause per step)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import typing as tp
+from pathlib import Path
+
+import pytest
+
+from tests import faults, pool
+from tests.delayed_training import entrypoint_job
+from tests.helpers import ROOT
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state
+from tests.test_cluster_faults import CHECKPOINT, TRAINING, records, wait_checkpoint, wait_done
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+PAUSED = entrypoint_job(str(ROOT), 0.4)
+TWO_BY_TWO = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run at world size 4 (shared with tests/test_cluster_faults.py's)."""
+    return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT)
+
+
+def submit(tmp: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
+    site = site_copy(tmp, "testcluster")
+    fields = {"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_BY_TWO, **extra}
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(recipe(tmp, name, **fields))))
+    return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+
+
+def wait_gone(job: str, attempt: int, timeout: float = 30) -> float:
+    """When the last rank of `attempt` left (polled)."""
+    deadline = time.time() + timeout
+    while faults.ranks_alive(job, 4, attempt=attempt) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not faults.ranks_alive(job, 4, attempt=attempt), f"attempt {attempt} still has ranks after {timeout} s"
+    return time.time()
+
+
+def attempt_starts(tmp: Path, run_dir: Path) -> dict[int, tuple[int, float]]:
+    """Each attempt's first recorded step and its end time (the per-step table)."""
+    from hpcrun.steps import load_steps
+
+    steps = load_steps(tmp / "results", run_id=run_dir.name)
+    first = steps.sort_values("time").groupby("restart_count").first()
+    return {int(a): (int(r["step"]), r["time"].timestamp()) for a, r in first.iterrows()}
+
+
+def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -> None:
+    """SIGKILL to rank 3 of a 2-node x 2-rank job: the step starts again in the same allocation
+    within seconds (no REQUEUED in sacct), the failed attempt's row names rank, node and signal,
+    and the weights are those of an uninterrupted run."""
+    run_dir, job = submit(tmp_path, "in-job-kill")
+    wait_checkpoint(run_dir)
+    assert faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3]
+    node = faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
+    gone = wait_gone(job, 0)
+    faults.rank_pid(job, 0, timeout=60, attempt=1)
+    launched = time.time()  # within 0.5 s (rank_pid's polling)
+    final = wait_done(run_dir, timeout=240)
+    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert final.get("restarts_in_job") == 1, final
+    assert records(job) == ["COMPLETED"], records(job)  # one job attempt: never back through the queue
+    table = rows(tmp_path, run_dir)
+    failed = table[table.restart_count == 0].iloc[0]
+    assert failed["status"] == "failed" and f"rank 3 on {node}" in failed["reason"], failed["reason"]
+    assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 2)" in failed["reason"], failed["reason"]
+    first_step, stepped = attempt_starts(tmp_path, run_dir)[1]
+    print(
+        f"\n[in-job restart] last rank gone -> new ranks started: {launched - gone:.1f} s; "
+        f"-> first resumed step ({first_step}): {stepped - gone:.1f} s (start-up {stepped - launched:.1f} s)"
+    )
+    assert launched - gone <= 10, f"the step started {launched - gone:.1f} s after the last rank left"
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+    shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
+    header, line = shown.splitlines()[-2:]
+    columns = dict(zip(header.split(), line.split()))
+    assert (columns["RESTARTS"], columns["IN-JOB"]) == ("0", "1"), shown
+
+
+def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -> None:
+    """A SIGSTOPped rank with `fault.hang_timeout_s: 20`: the watchdogs end the attempt, their
+    stacks are in the logs, and the step starts again in the same job with identical weights."""
+    run_dir, job = submit(tmp_path, "in-job-hang", fault={"hang_timeout_s": 20})
+    wait_checkpoint(run_dir)
+    faults.signal_rank(job, 3, signal.SIGSTOP, attempt=0)
+    final = wait_done(run_dir, timeout=300)
+    assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
+    assert records(job) == ["COMPLETED"], records(job)
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
+    assert "hung: no step progress for 20 s" in logs and "Thread" in logs, logs[-3000:]
+    failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
+    assert len(failed) == 1 and "silent: rank 3 on" in failed[0]["reason"], failed
+    assert "restarting in the job" in failed[0]["reason"], failed
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+
+
+def test_restarts_in_job_exhausted_fall_back_to_a_requeue(tmp_path: Path, baseline: Path) -> None:
+    """`fault.restarts_in_job: 1`: a second dead rank (after a new checkpoint, so not the same
+    failure again) requeues the job, which still finishes with identical weights."""
+    run_dir, job = submit(tmp_path, "in-job-exhausted", fault={"restarts_in_job": 1})
+    wait_checkpoint(run_dir)
+    faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
+    faults.rank_pid(job, 1, timeout=90, attempt=1)
+    newest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+    deadline = time.time() + 120  # a checkpoint made by the restarted step
+    while time.time() < deadline and not any(
+        int(p.name.split("-")[1]) > newest for p in (run_dir / "checkpoints").glob("step-*")
+    ):
+        time.sleep(0.2)
+    faults.signal_rank(job, 1, signal.SIGKILL, attempt=1)
+    final = wait_done(run_dir, timeout=400)
+    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert records(job) == ["REQUEUED", "COMPLETED"], records(job)
+    reasons = rows(tmp_path, run_dir).sort_values("restart_count")["reason"].tolist()
+    assert "restarting in the job" in reasons[0] and "requeue" in reasons[1], reasons
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+
+
+def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> None:
+    """`resources.spare_nodes: 1`: every process of the second training node killed (slurmd
+    too): the job goes on on the spare without a requeue, the lost node is recorded, and the
+    weights are those of an uninterrupted run."""
+    spare = pool.spare_node()
+    assert spare, f"no spare node in partition {pool.partition('spare')} (tests/cluster/testcluster.sh up)"
+    resources = {**TWO_BY_TWO, "spare_nodes": 1, "partition": "spare"}
+    run_dir, job = submit(tmp_path, "in-job-spare", resources=resources)
+    wait_checkpoint(run_dir)
+    first, second = faults.NODES
+    _, node = faults.rank_pid(job, 3, attempt=0)
+    assert node == second, node  # ranks 2-3 on the second node; the batch script on the first
+    try:
+        faults.power_off(second)
+        final = wait_done(run_dir, timeout=300)
+    finally:
+        faults.power_on(second)
+    assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
+    assert records(job) == ["COMPLETED"], records(job)
+    assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
+    failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
+    assert f"node lost: {second}" in failed["reason"] and f"on {first},{spare}" in failed["reason"], failed["reason"]
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
