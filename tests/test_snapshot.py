@@ -48,13 +48,16 @@ def prepared(tmp: Path, name: str, delay: float, memory_interval: int, disk_inte
     return prepare(plan(site, load_recipe(path).base, path, name))
 
 
-def launch(run_dir: Path, nodes: list[Path], job_id: str) -> list[subprocess.Popen[bytes]]:
-    """One job start: every rank as srun would start it, ranks 2k and 2k+1 on pretend node k."""
+def launch(run_dir: Path, nodes: list[Path], job_id: str, attempt: int = 0) -> list[subprocess.Popen[bytes]]:
+    """One start of the training step: every rank as srun would start it, ranks 2k and 2k+1 on
+    pretend node k; a restart inside the job keeps SLURM's job id and requeue count and raises
+    hpcrun's attempt number (HPCRUN_ATTEMPT), as the batch script does."""
     procs = []
     for rank in range(WORLD):
         env = {
             **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(WORLD),
             "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_RESTART_COUNT": "0",
+            "HPCRUN_ATTEMPT": str(attempt),
             rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
         }
         with (run_dir / f"rank{rank}.log").open("ab") as log:
@@ -115,7 +118,7 @@ def baseline(factory: pytest.TempPathFactory, strategy: str) -> Path:
 
 def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: Path) -> dict[str, tp.Any]:
     """Start the job again; it must finish with the baseline's weights and losses. Returns the row."""
-    finished(launch(run_dir, nodes, job_id), run_dir)
+    finished(launch(run_dir, nodes, job_id, attempt=1), run_dir)
     assert state(run_dir)["status"] == "completed", state(run_dir)
     assert weights(run_dir) == weights(baseline)
     assert losses(run_dir) == losses(baseline)

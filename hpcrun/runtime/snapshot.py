@@ -160,7 +160,8 @@ class Snapshots:
 
     def __init__(self, scratch: Path, run_id: str, env: DistEnv) -> None:
         self.env, self.run_id = env, run_id
-        self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.restart_count)
+        # SLURM's requeue count, not hpcrun's attempt number: a restart inside the job finds the same directory
+        self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.requeues)
         self.host = node_name()
         self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
         distributed = dist.is_initialized() and env.world_size > 1
