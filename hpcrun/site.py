@@ -111,6 +111,13 @@ class Storage(Frozen):
     (`checkpoint.memory_interval`); each job start uses `<local_scratch>/hpcrun-<job>-<restart>/`.
     None: `/dev/shm`."""
 
+    @pydantic.field_validator("local_scratch")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, the same on every node (got {value!r})")
+        return value
+
 
 class Container(Frozen):
     """Run the task inside a container: apptainer/singularity wrap the command, pyxis adds srun flags."""
