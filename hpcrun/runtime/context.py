@@ -155,19 +155,21 @@ class Context:
             if self.measured.step_times:
                 stepped, own = sum(self.measured.step_times), sum(self.own_s.values())
                 shares = ", ".join(f"{part} {100 * s / stepped:.3f}%" for part, s in self.own_s.items())
+                snapshots = ""
+                if self.snapshots and self.snapshots.stalls:  # the same line: a log's last lines are the steps'
+                    stalls = self.snapshots.stalls
+                    snapshots = (
+                        f"; in-memory snapshots: {len(stalls)}, {1e3 * sum(stalls) / len(stalls):.1f} ms each on the "
+                        f"training thread ({100 * sum(stalls) / stepped:.3f}% of step time), "
+                        f"{self.snapshots.failures} failed"
+                    )
                 self.info(
                     f"hpcrun's per-step work: {own * 1e3:.1f} ms on the training thread "
                     f"over {len(self.measured.step_times)} steps "
                     f"({100 * own / stepped:.3f}% of step time: {shares}); "
                     f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)"
+                    + snapshots
                 )
-                if self.snapshots and self.snapshots.stalls:
-                    stalls = self.snapshots.stalls
-                    self.info(
-                        f"in-memory snapshots: {len(stalls)}, {1e3 * sum(stalls) / len(stalls):.1f} ms each on the "
-                        f"training thread ({100 * sum(stalls) / stepped:.3f}% of step time), "
-                        f"{self.snapshots.failures} failed"
-                    )
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks
