@@ -142,8 +142,8 @@ def test_lost_node_resumes_from_the_replica(
 def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank 1's newest snapshot is truncated on its own node, and its replica on the other node
     has lost its manifest: no node has a whole copy, so that step is not used and the run resumes
-    from the disk checkpoint (every 4 steps), although every other rank's copies are intact."""
-    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", 4, "ddp")
+    from the older disk checkpoint (every 5 steps), although every other rank's copies are intact."""
+    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", 5, "ddp")
     host = snapshot.node_name()
     own = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[0], job_id, 0), run_dir.name, host, 1)
     replica = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[1], job_id, 0), run_dir.name, host, 1)
@@ -152,8 +152,9 @@ def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     rundir.manifest(rundir.step_dir(replica, newest)).unlink()
     disk = max(rundir.step_dirs(run_dir / "checkpoints"))
+    # killed within a step of snapshot 6 on both nodes, 4 steps (1.6 s) before the disk's step 10
+    assert newest > disk, f"the disk checkpoint ({disk}) is newer than the torn snapshot ({newest}) anyway"
     row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, "ddp"))
-    assert newest > disk or row["resumed_from"] == "disk", "the disk checkpoint was newer anyway"
     assert row["resumed_from"] == "disk" and row["first_step"] == disk, row
     assert "not used" in (run_dir / "rank1.log").read_text() + (run_dir / "rank0.log").read_text()
 
