@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun.rundir import RunDir
+from hpcrun.rundir import RunDir, local_scratch, read_json, snapshot_job_dir
 
 # Time for ranks to save after SIGTERM before SIGKILL. SLURM's default KillWait is 30 s; this is
 # the test cluster's KillWait (20 s), the shorter one: a job that stops in time here does there.
@@ -122,7 +123,15 @@ class Controller:
                 self._send(signal.SIGKILL)
             time.sleep(POLL_S)
         codes = [p.returncode for p in self.procs]
+        self.remove_snapshots()
         return next((c for c in codes if c != 0), 0)
+
+    def remove_snapshots(self) -> None:
+        """What the sbatch script does at a job's end: remove this job's in-memory snapshots
+        (hpcrun.runtime.snapshot), which ranks that were killed could not."""
+        spec = read_json(self.run_dir.spec, missing={})
+        scratch = local_scratch(spec.get("local_scratch") or "/dev/shm")
+        shutil.rmtree(snapshot_job_dir(scratch, self.job_id, self.restart_count), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,16 @@ def staging_bytes(params: float, n: int, option: Option, per_node: int) -> float
     return 12 * params / group * per_node
 
 
+def snapshot_bytes(params: float, n: int, option: Option, per_node: int, nodes: int) -> float:
+    """Host memory per node in-memory snapshots take (`checkpoint.memory_interval`; DDP, FSDP):
+    the node's ranks' state (as staged for a save) twice, the newest complete step and the one
+    being written, twice again for the replicas of another node's ranks, plus the staging buffers."""
+    if not option.stages_checkpoints:
+        return 0.0  # DeepSpeed keeps no snapshots
+    copies = 2 * (2 if nodes > 1 else 1) + 1
+    return copies * staging_bytes(params, n, option, per_node)
+
+
 def activation_bytes(spec: RunSpec) -> float:
     """Activations of the built-in GPT for one micro-batch, plus the fp32 logits of the loss."""
     t = spec.recipe.training
@@ -66,6 +76,7 @@ class Estimate:
     fits: bool
     why: str
     deepspeed_gpu_gb: float | None = None  # DeepSpeed's own estimate of model states, where it applies
+    snapshot_gb_per_node: float = 0.0  # in-memory snapshots' share of cpu_gb_per_node (node-local tmpfs)
 
 
 def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimate]:
@@ -94,11 +105,19 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
         )
         staged = staging_bytes(params, n, option, per_node) if spec.recipe.checkpoint.asynchronous else 0.0
         cpu += staged
+        snapshots = (
+            snapshot_bytes(params, n, option, per_node, spec.nodes) if spec.recipe.checkpoint.memory_interval else 0.0
+        )
+        cpu += snapshots
         disk = moved * per_node if option.offload == "nvme" else 0.0
         problems = []
         why = (
             f" ({staged / GB:.0f} GB to stage asynchronous checkpoints; checkpoint.asynchronous: false saves that)"
             if staged
+            else ""
+        ) + (
+            f" ({snapshots / GB:.0f} GB of in-memory snapshots; checkpoint.memory_interval: 0 saves that)"
+            if snapshots
             else ""
         )
         if gpu > gpu_cap:
@@ -125,6 +144,7 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
                 not problems,
                 "; ".join(problems) or "fits",
                 ds[1] / GB if ds else None,
+                snapshots / GB,
             )
         )
     return out

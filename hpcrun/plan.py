@@ -59,6 +59,8 @@ class RunSpec(Frozen):
     nvme: NVMe | None
     """The site's node-local NVMe, whatever the strategy (the planner weighs ZeRO-Infinity on it)."""
     nvme_dir: str | None
+    local_scratch: str = "/dev/shm"
+    """The node-local directory in-memory snapshots go to (the site's `storage.local_scratch`)."""
     """The NVMe base directory when the strategy swaps to it; each job uses its own directory
     below it, `hpcrun.rundir.nvme_job_dir(nvme_dir, allocation id)`."""
     model: str | None
@@ -203,6 +205,7 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             results_dir=str(site.results_dir),
             nvme=site.storage.nvme,
             nvme_dir=site.storage.nvme.path if site.storage.nvme and strategy.uses_nvme() else None,
+            local_scratch=site.storage.local_scratch or "/dev/shm",
             model=model,
             size=SIZES[model] if model else None,
             env=env,

@@ -94,6 +94,10 @@ class Training(Frozen):
     log_interval: int = pydantic.Field(default=10, ge=1)
 
 
+# measured on the built-in benchmark (2 CPU ranks, --site local): see hpcrun.runtime.snapshot
+MEMORY_INTERVAL = 25
+
+
 class Checkpoint(Frozen):
     interval: int = pydantic.Field(default=50, ge=1)
     keep: int = 2
@@ -103,6 +107,11 @@ class Checkpoint(Frozen):
     # DDP/FSDP: write in the background; training stalls only for a copy of the rank's state into
     # host buffers (as much host memory again, for the run); DeepSpeed always writes synchronously
     asynchronous: bool = True
+    memory_interval: int = pydantic.Field(default=MEMORY_INTERVAL, ge=0)
+    """Every how many steps each rank snapshots its whole training state into node-local memory
+    (the site's `storage.local_scratch`) and copies it to a rank on another node, for a restart
+    inside the job (hpcrun.runtime.snapshot); requeues and new jobs resume from disk. 0: off.
+    DDP and FSDP; DeepSpeed saves to disk only."""
 
     @pydantic.field_validator("keep")
     @classmethod

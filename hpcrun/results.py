@@ -111,6 +111,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "checkpoint_stall_s": F,
     "checkpoint_write_s": F,
     "slow_ranks": S,
+    "resumed_from": S,  # memory / replica (in-memory snapshots), disk, or None: started from step 0
 }
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(S, F))])
 

@@ -399,6 +399,38 @@ def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
     return f"{nvme_base}/hpcrun-{allocation_id}"
 
 
+# node-local scratch: in-memory snapshots (hpcrun.runtime.snapshot) --------------------------
+SCRATCH_ENV = "HPCRUN_LOCAL_SCRATCH"  # one rank's override of storage.local_scratch (tests' pretend nodes)
+
+
+def local_scratch(configured: str) -> Path:
+    """The node-local directory snapshots go to: the plan's, unless this process is told another."""
+    return Path(os.environ.get(SCRATCH_ENV) or configured)
+
+
+def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> Path:
+    """`<scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`: one job start's snapshots on one node,
+    valid only within that start (the batch script removes it on every node at the job's end)."""
+    return Path(scratch) / f"hpcrun-{allocation_id}-{restart}"
+
+
+def snapshot_rank_dir(job_dir: Path, run_id: str, node: str, rank: int) -> Path:
+    """One rank's snapshots on node `node`, `<job dir>/<run id>/<node>/rank-NNNNN/`, each a
+    checkpoint-like `step-N/` directory (`step_dir`, `partial_step_dir`, `manifest`, `engine_state`,
+    `trainer_state`). The node's name keeps nodes apart where the scratch is shared after all."""
+    return job_dir / run_id / node / f"rank-{rank:05d}"
+
+
+def snapshot_ranks(job_dir: Path, run_id: str, node: str) -> dict[int, Path]:
+    """The rank directories node `node` holds of run `run_id`, by rank (its own and its replicas)."""
+    found = {}
+    for path in (job_dir / run_id / node).glob("rank-*"):
+        digits = path.name.removeprefix("rank-")
+        if digits.isdigit():
+            found[int(digits)] = path
+    return found
+
+
 def compact_left(results_dir: Path) -> Path:
     """The files the last compaction left as they are (a newer hpcrun's, unreadable ones it may
     not move, others' it may not remove): readers do not count them towards the next one."""
@@ -411,6 +443,7 @@ def compact_lock(results_dir: Path) -> FileLock:
 
 
 HEARTBEATS = "heartbeats"
+
 FLIGHT_RECORDER = "flight-recorder"
 CONSOLIDATED = "consolidated"
 COMPACT_LOCK = ".compact.lock"

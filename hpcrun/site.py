@@ -106,6 +106,17 @@ class Storage(Frozen):
     runs_dir: PathStr
     results_dir: PathStr | None = None
     nvme: NVMe | None = None
+    local_scratch: PathStr | None = None
+    """A node-local directory (tmpfs: host memory) for in-memory snapshots
+    (`checkpoint.memory_interval`); each job start uses `<local_scratch>/hpcrun-<job>-<restart>/`.
+    None: `/dev/shm`."""
+
+    @pydantic.field_validator("local_scratch")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, the same on every node (got {value!r})")
+        return value
 
 
 class Container(Frozen):

@@ -8,6 +8,7 @@ from hpcrun.memory import GB, estimate, model_state_bytes, options, recommend
 from hpcrun.plan import plan
 from hpcrun.recipe import Recipe
 from hpcrun.site import load_site
+from hpcrun.sizes import SIZES
 from tests.helpers import ROOT, cli
 
 
@@ -120,7 +121,7 @@ def test_asynchronous_checkpoints_count_their_host_copy(tmp_path) -> None:  # ty
             "name": "p", "job": {"kind": "benchmark", "model": "13b"}, "precision": "bf16-mixed",
             "resources": {"nodes": 1, "gpus_per_node": 8, "time": "01:00:00"},
             "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
-            "checkpoint": {"asynchronous": asynchronous},
+            "checkpoint": {"asynchronous": asynchronous, "memory_interval": 0},
         })
         return {e.option.name: e for e in estimate(plan(site, recipe, "r.yaml", "id"))}
 
@@ -132,6 +133,42 @@ def test_asynchronous_checkpoints_count_their_host_copy(tmp_path) -> None:  # ty
     assert inline["fsdp-full"].fits and inline["fsdp-full"].cpu_gb_per_node == 0
 
 
+def test_in_memory_snapshots_count_their_host_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Snapshots (checkpoint.memory_interval) hold, per node, the newest complete step and the one
+    being written of its own ranks and of another node's (their replicas), plus a host copy to
+    write from: 5 x the 12 bytes per parameter a save stages (3 x on one node, which has no
+    peer). DeepSpeed keeps none; `memory_interval: 0` frees it."""
+    site = with_node_memory(tmp_path, "mycluster", "gpu", 1024)
+
+    def verdicts(nodes: int, interval: int):  # type: ignore[no-untyped-def]
+        recipe = Recipe.model_validate({
+            "name": "p", "job": {"kind": "benchmark", "model": "1.3b"}, "precision": "bf16-mixed",
+            "resources": {"nodes": nodes, "gpus_per_node": 8, "time": "01:00:00"},
+            "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
+            "checkpoint": {"asynchronous": False, "memory_interval": interval},
+        })
+        return {e.option.name: e for e in estimate(plan(site, recipe, "r.yaml", "id"))}
+
+    params = SIZES["1.3b"].parameters(2048)
+    two = verdicts(2, 10)
+    per_node = 12 * params / 16 * 8  # FULL_SHARD over 16 ranks, 8 of them on each node
+    assert two["fsdp-full"].snapshot_gb_per_node == pytest.approx(5 * per_node / GB)
+    assert two["fsdp-full"].cpu_gb_per_node == pytest.approx(5 * per_node / GB)
+    assert two["ddp"].snapshot_gb_per_node == pytest.approx(5 * 12 * params * 8 / GB)
+    assert verdicts(1, 10)["ddp"].snapshot_gb_per_node == pytest.approx(3 * 12 * params * 8 / GB)
+    assert two["zero3"].snapshot_gb_per_node == 0
+    assert verdicts(2, 0)["fsdp-full"].cpu_gb_per_node == 0
+    small = with_node_memory(tmp_path, "mycluster", "gpu", 128)
+    recipe = Recipe.model_validate({
+        "name": "p", "job": {"kind": "benchmark", "model": "1.3b"}, "precision": "bf16-mixed",
+        "resources": {"nodes": 2, "gpus_per_node": 8, "time": "01:00:00"},
+        "checkpoint": {"asynchronous": False, "memory_interval": 10},
+    })
+    spec = plan(small, recipe, "r.yaml", "id")
+    (ddp,) = estimate(spec, [spec.strategy.memory_option()])
+    assert not ddp.fits and "checkpoint.memory_interval: 0" in ddp.why, ddp.why
+
+
 def test_cpu_ranks_and_staging_share_the_node_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """On a CPU partition the ranks' model states and the checkpoint staging buffers are one
     memory: 125m DDP with 2 ranks (2.1 GB each in fp32) fits a 6 GB node, not with its 3 GB of
@@ -141,7 +178,8 @@ def test_cpu_ranks_and_staging_share_the_node_memory(tmp_path) -> None:  # type:
     def ddp(asynchronous: bool):  # type: ignore[no-untyped-def]
         recipe = Recipe.model_validate({
             "name": "c", "job": {"kind": "benchmark", "model": "125m"}, "resources": {"nodes": 1, "gpus_per_node": 2},
-            "training": {"micro_batch": 1, "seq_len": 128}, "checkpoint": {"asynchronous": asynchronous},
+            "training": {"micro_batch": 1, "seq_len": 128},
+            "checkpoint": {"asynchronous": asynchronous, "memory_interval": 0},
         })
         return next(e for e in estimate(plan(site, recipe, "r.yaml", "id")) if e.option.name == "ddp")
 

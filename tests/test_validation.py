@@ -58,6 +58,11 @@ SITE_CASES = [
     ),
     ("bad env name", lambda d: d["network"]["env"].update({"1BAD": "x"}), "network.env.1BAD: "),
     (
+        "relative scratch",
+        lambda d: d["storage"].update(local_scratch="shm"),
+        "storage.local_scratch: must be an absolute path, the same on every node (got 'shm')",
+    ),
+    (
         "sbatch option",
         lambda d: d["environment"].update(sbatch=["exclusive"]),
         "environment.sbatch: each entry must be a long sbatch option",

@@ -83,13 +83,15 @@ def plan_command(site_name: str, recipe: Path) -> None:
             f"{e.gpu_gb:.1f}",
             "" if e.deepspeed_gpu_gb is None else f"{e.deepspeed_gpu_gb:.1f}",
             f"{e.cpu_gb_per_node:.0f}",
+            f"{e.snapshot_gb_per_node:.2g}",
             f"{e.nvme_gb_per_node:.0f}",
             "yes" if e.fits else "no",
             "" if e.fits else e.why,
         ]
         for e in rows
     ]
-    headers = ["strategy", "GPU GB", "DeepSpeed est. states GB", "host GB/node", "NVMe GB/node", "fits", "why not"]
+    headers = ["strategy", "GPU GB", "DeepSpeed est. states GB", "host GB/node", "snapshots GB/node", "NVMe GB/node"]
+    headers += ["fits", "why not"]
     click.echo(tabulate(table, headers=headers, tablefmt="simple"))
     best, why = recommend(rows)
     click.echo(f"recommended: {why}" if best else why)

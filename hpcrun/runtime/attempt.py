@@ -57,6 +57,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         ctx.checkpoints.wait()  # a job that left `steps()` early may have a save in flight
         if ctx.stopped:
             status, reason = stop_decision(ctx)
+        ctx.close_snapshots(status)
     except Exception as exc:
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure

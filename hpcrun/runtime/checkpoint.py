@@ -14,6 +14,7 @@ staging and writer classes, configured, with no private torch names.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -97,14 +98,32 @@ def host_stager(sharded_tensors: bool = False) -> AsyncStager:
     return DefaultStager(options)
 
 
+def copy_into(source: tp.Any, buffers: tp.Any) -> tp.Any:
+    """A copy of a state dict into host memory that reuses `buffers` (the previous copy's)
+    wherever a tensor's shape and dtype are unchanged; other values are copied anew."""
+    if isinstance(source, torch.Tensor):
+        if isinstance(buffers, torch.Tensor) and buffers.shape == source.shape and buffers.dtype == source.dtype:
+            return buffers.copy_(source.detach())
+        host = torch.empty_like(source, device="cpu", pin_memory=torch.cuda.is_available())
+        return host.copy_(source.detach())
+    if isinstance(source, dict):
+        old = buffers if isinstance(buffers, dict) else {}
+        return {key: copy_into(value, old.get(key)) for key, value in source.items()}
+    if isinstance(source, (list, tuple)):
+        same = isinstance(buffers, (list, tuple)) and len(buffers) == len(source)
+        olds = list(buffers) if same else [None] * len(source)
+        return type(source)(copy_into(value, old) for value, old in zip(source, olds))
+    return copy.deepcopy(source)
+
+
 class DcpWriter(FileSystemWriter):
     """DCP's file writer, fsynced (a checkpoint must survive the node), with several threads.
     torch.save's per-record CRC32 stays on: it is what lets a load notice a damaged record, and
     turning it off is a process-wide switch that a writer thread cannot flip without racing every
     other torch.save (benchmarks/RESULTS.md records what it costs)."""
 
-    def __init__(self, directory: Path) -> None:
-        super().__init__(str(directory), sync_files=True, thread_count=WRITER_THREADS)
+    def __init__(self, directory: Path, sync_files: bool = True, threads: int = WRITER_THREADS) -> None:
+        super().__init__(str(directory), sync_files=sync_files, thread_count=threads)
 
     def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
         future = super().write_data(plan, planner)
@@ -163,7 +182,7 @@ class Checkpoints:
             tmp.mkdir()
         self._barrier()
         # this rank's small state first: the engine's write completes after it on every rank
-        buffer = _serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
+        buffer = serialise({**trainer_state, "rng": rng_state(), "rank": self.env.rank})
         atomic_write(rundir.trainer_state(tmp, self.env.rank), buffer)
         pending = _Save(step, tmp, final, start)
         if self.asynchronous and hasattr(engine, "save_async"):
@@ -278,7 +297,8 @@ def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
     return out, state_digest(state)
 
 
-def _serialise(obj: tp.Any) -> bytes:
+def serialise(obj: tp.Any) -> bytes:
+    """torch.save's bytes of `obj` (a rank's trainer state), for an atomic write."""
     import io
 
     buf = io.BytesIO()

@@ -11,6 +11,7 @@ import datetime as dt
 import math
 import os
 import signal
+import sys
 import time
 import typing as tp
 
@@ -19,8 +20,9 @@ import torch.distributed as dist
 
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
-from hpcrun.rundir import RunDir, nvme_job_dir
+from hpcrun.rundir import RunDir, local_scratch, nvme_job_dir
 from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime import snapshot
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
 from hpcrun.runtime.steps import StepRecorder
@@ -42,6 +44,12 @@ class Context:
         self.checkpoints = ckpt.Checkpoints(
             self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous
         )
+        self.snapshots = (
+            snapshot.Snapshots(local_scratch(spec.local_scratch), spec.run_id, env)
+            if checkpoint.memory_interval and spec.recipe.job.kind != "command"
+            else None
+        )
+        self.resumed_from: str | None = None  # memory, replica or disk: the results row's `resumed_from`
         self.measured = Measurements()
         self.engine: tp.Any = None
         self.start_step = 0
@@ -75,11 +83,24 @@ class Context:
         self.engine = self.recipe.strategy.build(
             model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
         )
-        if found:
-            state = self.checkpoints.load(self.engine, found[1])
+        if self.snapshots is not None and not hasattr(self.engine, "snapshot_state"):
+            self.info("this strategy's engine keeps no in-memory snapshots: disk checkpoints only")
+            self.snapshots = None
+        restored = self.snapshots.restore(self.engine, found[0] if found else 0) if self.snapshots else None
+        if restored:
+            state, self.resumed_from = restored.state, restored.source
+        elif found:
+            state, self.resumed_from = self.checkpoints.load(self.engine, found[1]), "disk"
+        if restored or found:
             self.start_step = int(state["step"])
             self.restored_losses = list(state.get("losses", []))
-            self.info(f"resumed from {found[1].name} (step {self.start_step})")
+            if "rank_losses" in state:  # a snapshot's: the mean over ranks, as global_losses takes it
+                self.measured.losses = list(state["rank_losses"])
+                self.restored_losses = self.global_losses()
+                self.measured.losses = []
+            where = f"{restored.source} snapshot" if restored else f"disk checkpoint {found[1]}" if found else ""
+            if self.env.is_main:  # one line on stderr, where a restart is looked for
+                print(f"[hpcrun rank 0] resumed from {where} (step {self.start_step})", file=sys.stderr, flush=True)
         return self.engine
 
     def steps(self) -> tp.Iterator[int]:
@@ -122,6 +143,9 @@ class Context:
                 if saving:
                     with watchdog.saving():  # a long save is not a hang
                         self.save(done, block=done == total or bool(stop))
+                elif self.snapshots and done % self.recipe.checkpoint.memory_interval == 0:
+                    with watchdog.saving():
+                        self.snapshot(done)
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
                     self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
@@ -134,11 +158,20 @@ class Context:
             if self.measured.step_times:
                 stepped, own = sum(self.measured.step_times), sum(self.own_s.values())
                 shares = ", ".join(f"{part} {100 * s / stepped:.3f}%" for part, s in self.own_s.items())
+                snapshots = ""
+                if self.snapshots and self.snapshots.stalls:  # the same line: a log's last lines are the steps'
+                    stalls = self.snapshots.stalls
+                    snapshots = (
+                        f"; in-memory snapshots: {len(stalls)}, {1e3 * sum(stalls) / len(stalls):.1f} ms each on the "
+                        f"training thread ({100 * sum(stalls) / stepped:.3f}% of step time), "
+                        f"{self.snapshots.failures} failed"
+                    )
                 self.info(
                     f"hpcrun's per-step work: {own * 1e3:.1f} ms on the training thread "
                     f"over {len(self.measured.step_times)} steps "
                     f"({100 * own / stepped:.3f}% of step time: {shares}); "
                     f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)"
+                    + snapshots
                 )
 
     def global_losses(self) -> list[float]:
@@ -154,6 +187,22 @@ class Context:
     def save(self, step: int, block: bool) -> None:
         state = {"step": step, "losses": self.global_losses()}
         self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
+
+    def snapshot(self, step: int) -> None:
+        """An in-memory snapshot of `step` (hpcrun.runtime.snapshot) with the trainer state a
+        checkpoint holds (its losses as this rank's own of this attempt, after the earlier ones)."""
+        assert self.snapshots is not None
+        # this rank's own losses: their mean over ranks (global_losses) is taken at the restore, so
+        # that a snapshot waits for no other rank
+        state = {"step": step, "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
+        self.snapshots.save(self.engine, step, state)
+
+    def close_snapshots(self, status: str) -> None:
+        """At the attempt's end: wait for the snapshot in flight; remove this run's snapshots once
+        no restart in this job can use them (the training finished, or no batch script restarts
+        it: `--site local`)."""
+        if self.snapshots is not None:
+            self.snapshots.close(remove=status == "completed" or self.spec.scheduler != "slurm")
 
     def record_loss(self, loss: float) -> None:
         self.measured.losses.append(loss)

@@ -40,6 +40,8 @@ class Attempt(tp.Protocol):
     def step(self) -> int: ...
     @property
     def stopped(self) -> str | None: ...
+    @property
+    def resumed_from(self) -> str | None: ...
     def slow_ranks(self) -> str | None: ...
 
 
@@ -97,4 +99,5 @@ def result_row(ctx: Attempt, status: str, reason: str | None, peak: int) -> dict
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "first_step": ctx.start_step, "last_step": ctx.step if not ctx.stopped else ctx.step + 1,
         "peak_memory_bytes": peak, **measured, "slow_ranks": ctx.slow_ranks(), "extra": dict(ctx.measured.extra),
+        "resumed_from": ctx.resumed_from,
     }

@@ -1,0 +1,385 @@
+"""In-memory snapshots replicated to another node, for a restart inside the job.
+
+Every `checkpoint.memory_interval` steps each rank writes its whole training state (what a disk
+checkpoint holds: the engine's DCP state, saved with no collective so that the rank's directory
+holds all it loads, and the trainer state: step, losses, RNG streams) into node-local scratch, a
+tmpfs that outlives the training processes:
+`<local_scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>/<run id>/<node>/rank-NNNNN/step-N/`
+(`<node>`: SLURMD_NODENAME, so nodes stay apart even where the scratch is shared).
+It is written under a temporary name, its manifest (the sha256 of every file) written last, then
+renamed into place. A background thread then sends the step to the rank of the same position on
+the next node (its peer), which writes and verifies it the same way; once every rank holds both
+copies (an all-reduce on the snapshots' own gloo group) each rank drops its older steps: a node
+keeps one complete step of each rank directory it holds, plus the one being written.
+
+At an attempt's start (`restore`, collective) the ranks exchange what their nodes hold, pick the
+newest step of which every rank has a verified copy on some node, have a holder send the files
+of any rank whose node lacks them (a lost node's ranks, started on another node), and load it
+when it is newer than the newest disk checkpoint. A torn copy (a file short or changed, no
+manifest) is never used: that rank's files come from the other holder, or an older step, or the
+disk checkpoint is used. Snapshots are valid within one job start only (requeues and new jobs
+resume from disk, the durable checkpoint); the batch script removes the job's directory on every
+node when the job ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pickle
+import queue
+import shutil
+import socket
+import sys
+import threading
+import time
+import typing as tp
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrun import rundir
+from hpcrun.runtime import checkpoint as ckpt
+from hpcrun.runtime.env import DistEnv
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """Where an attempt resumed from: `memory` (every rank's own node held its files) or
+    `replica` (some rank's files came from another node), the step, and this rank's trainer state."""
+
+    source: str
+    step: int
+    state: dict[str, tp.Any]
+
+
+def node_name() -> str:
+    """This node's name as SLURM knows it (the test cluster's nodes share one hostname)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every file below `directory` but its manifest, by relative path."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != rundir.MANIFEST:
+            found[path.relative_to(directory).as_posix()] = _sha256(path)
+    return found
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def publish(tmp: Path, final: Path, **fields: tp.Any) -> None:
+    """Write `tmp`'s manifest (the hashes of its files) last, then rename it to `final`."""
+    manifest = {**fields, "files": file_hashes(tmp), "complete": True}
+    rundir.write_json(rundir.manifest(tmp), manifest)
+    shutil.rmtree(final, ignore_errors=True)  # the same step written before a restart
+    os.rename(tmp, final)
+
+
+def manifest_of(step_dir: Path) -> dict[str, tp.Any] | None:
+    """A snapshot's manifest; None when it has none, so is incomplete. An unreadable one is
+    reported by `verify`; here it makes the snapshot count as absent (the disk stays)."""
+    try:
+        manifest = rundir.read_json(rundir.manifest(step_dir), missing=None)
+    except rundir.CorruptStateError:
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("complete") else None
+
+
+def verify(step_dir: Path) -> str | None:
+    """Why the snapshot in `step_dir` may not be used, or None: its manifest lists exactly the
+    files there, each with its sha256."""
+    manifest = manifest_of(step_dir)
+    if manifest is None:
+        return f"{rundir.manifest(step_dir)}: missing or unreadable"
+    try:
+        found = file_hashes(step_dir)
+    except OSError as exc:
+        return f"{step_dir}: {exc}"
+    listed = manifest.get("files", {})
+    wrong = sorted(name for name in set(listed) | set(found) if listed.get(name) != found.get(name))
+    return f"{step_dir}: files differ from the manifest: {', '.join(wrong)}" if wrong else None
+
+
+def pack(step_dir: Path) -> bytes:
+    """A snapshot's files (manifest included) as one buffer, to send to another node."""
+    files = {p.relative_to(step_dir).as_posix(): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}
+    return pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes, rank_dir: Path, step: int) -> str | None:
+    """Write a packed snapshot as step `step` of `rank_dir`: into a temporary directory, verified
+    against its manifest, then renamed. Returns why it was refused, or None."""
+    tmp, final = rundir.partial_step_dir(rank_dir, step), rundir.step_dir(rank_dir, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    files: dict[str, bytes] = pickle.loads(data)  # from a rank of this job, over its own process group
+    for name, content in files.items():
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    why = verify(tmp)
+    if why is None:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return why
+
+
+def nodes_ranks(nodes: list[str]) -> list[list[int]]:
+    """The ranks on each node, nodes in the order of their first rank."""
+    order: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        order.setdefault(node, []).append(rank)
+    return list(order.values())
+
+
+def peer_of(nodes: list[str], rank: int) -> int | None:
+    """Where `rank` sends its snapshots: the rank at its position on the next node (rank r ->
+    r + tasks per node, modulo the world, for SLURM's block layout); None on a single node."""
+    groups = nodes_ranks(nodes)
+    if len(groups) < 2:
+        return None
+    index = next(i for i, g in enumerate(groups) if rank in g)
+    nxt = groups[(index + 1) % len(groups)]
+    return nxt[groups[index].index(rank) % len(nxt)]
+
+
+class Snapshots:
+    """One rank's in-memory snapshots of one run; `save`, `restore` and `close` are collective."""
+
+    def __init__(self, scratch: Path, run_id: str, env: DistEnv) -> None:
+        self.env, self.run_id = env, run_id
+        # SLURM's requeue count, not hpcrun's attempt number: a restart inside the job finds the same directory
+        self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.requeues)
+        self.host = node_name()
+        self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
+        distributed = dist.is_initialized() and env.world_size > 1
+        # a group of its own: the background thread's sends and all-reduce never interleave with training's
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.nodes: list[str] = [self.node]
+        self.stalls: list[float] = []  # seconds each save held the training thread
+        self.failures = 0
+        self._pending: Future[None] | None = None
+        self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
+
+    def rank_dir(self, rank: int) -> Path:
+        return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
+
+    def _gather(self, value: tp.Any) -> list[tp.Any]:
+        if self.group is None:
+            return [value]
+        out: list[tp.Any] = [None] * self.env.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def inventory(self) -> list[tuple[int, int]]:
+        """(rank, step) of every complete snapshot of this run's world size on this node."""
+        found = []
+        for rank, path in rundir.snapshot_ranks(self.job_dir, self.run_id, self.host).items():
+            for step, step_path in rundir.step_dirs(path).items():
+                manifest = manifest_of(step_path)
+                if manifest and manifest.get("world_size") == self.env.world_size and manifest.get("step") == step:
+                    found.append((rank, step))
+        return found
+
+    def restore(self, engine: tp.Any, newer_than: int) -> Restored | None:
+        """Load the newest step every rank has a verified copy of, if newer than `newer_than`
+        (the newest disk checkpoint's step); None: resume from disk."""
+        gathered = self._gather((self.node, self.inventory()))
+        self.nodes = [node for node, _ in gathered]
+        holders: dict[tuple[int, int], list[int]] = {}
+        for group in nodes_ranks(self.nodes):  # one holder per node: its first rank
+            for rank, step in gathered[group[0]][1]:
+                holders.setdefault((rank, step), []).append(group[0])
+        world = self.env.world_size
+        for step in sorted({s for _, s in holders if s > newer_than}, reverse=True):
+            plan = self._plan(step, holders, world)
+            if plan is None:
+                continue
+            source = "memory" if all(self.nodes[h] == self.nodes[r] for r, h in plan.items()) else "replica"
+            refused = self._gather(self._fetch(step, plan))
+            if any(refused):
+                self.info("snapshot transfer refused: " + "; ".join(w for w in refused if w) + "; resuming from disk")
+                return None
+            path = rundir.step_dir(self.rank_dir(self.env.rank), step)
+            engine.load(rundir.engine_state(path), local=True)
+            state = torch.load(rundir.trainer_state(path, self.env.rank), weights_only=True)
+            ckpt.set_rng_state(state["rng"])
+            return Restored(source, step, state)
+        return None
+
+    def _plan(self, step: int, holders: dict[tuple[int, int], list[int]], world: int) -> dict[int, int] | None:
+        """Which rank's node serves each rank's files of `step`: the rank's own node where it holds
+        a verified copy, else another holder; None when some rank has no verified copy anywhere."""
+        refused: set[tuple[int, int]] = set()  # (holder, rank) whose copy failed verification
+        while True:
+            plan = {}
+            for rank in range(world):
+                usable = [h for h in holders.get((rank, step), []) if (h, rank) not in refused]
+                if not usable:
+                    return None
+                own = [h for h in usable if self.nodes[h] == self.nodes[rank]]
+                plan[rank] = (own or usable)[0]
+            mine = [r for r, h in plan.items() if h == self.env.rank]
+            checked = [(r, verify(rundir.step_dir(self.rank_dir(r), step))) for r in mine]
+            bad = [(holder, r, why) for holder, found in enumerate(self._gather(checked)) for r, why in found if why]
+            if not bad:
+                return plan
+            for holder, rank, why in bad:
+                self.info(f"snapshot of rank {rank} at step {step} on {self.nodes[holder]} not used: {why}")
+                refused.add((holder, rank))
+
+    def _fetch(self, step: int, plan: dict[int, int]) -> str | None:
+        """Send and receive the files of ranks whose node lacks them (point to point over the
+        snapshots' group); returns why a received copy was refused, or None."""
+        moves = [(h, r) for r, h in sorted(plan.items()) if self.nodes[h] != self.nodes[r]]
+        sends = []
+        for holder, rank in moves:
+            if holder == self.env.rank:
+                sends += self._send(pack(rundir.step_dir(self.rank_dir(rank), step)), rank)
+        refused = None
+        for holder, rank in moves:
+            if rank == self.env.rank:
+                refused = unpack(self._recv(holder), self.rank_dir(rank), step) or refused
+        for work, _ in sends:
+            work.wait()
+        return refused
+
+    def _send(self, data: bytes, to: int) -> list[tuple[tp.Any, torch.Tensor]]:
+        """Start sending `data` to rank `to`; each send with its tensor, kept alive until it completes."""
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sends = [(dist.isend(size, to, group=self.group), size)]
+        if payload.numel():
+            sends.append((dist.isend(payload, to, group=self.group), payload))
+        return sends
+
+    def _recv(self, src: int) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src, group=self.group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        if payload.numel():
+            dist.recv(payload, src, group=self.group)
+        return payload.numpy().tobytes()
+
+    def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> float:
+        """Snapshot `step` (after the previous snapshot is done); returns the seconds the training
+        thread was held: waiting for the previous one, and copying the state to host buffers."""
+        start = time.perf_counter()
+        self.wait()
+        if len(self.nodes) != self.env.world_size:  # no restore ran: learn the nodes now
+            self.nodes = self._gather(self.node)
+        rank_dir = self.rank_dir(self.env.rank)
+        tmp = rundir.partial_step_dir(rank_dir, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
+        staged = engine.snapshot_state()
+        self._pending = Future[None]()
+        if self._worker is None:  # one thread for the run: starting one per snapshot held training ~1 ms more
+            # a daemon: a thread stuck on a dead peer must not hold the process at exit
+            self._worker = threading.Thread(target=self._work, name="hpcrun-snapshot", daemon=True)
+            self._worker.start()
+        self._queue.put((self._pending, lambda: self._complete(engine, staged, step, tmp, state)))
+        self.stalls.append(time.perf_counter() - start)
+        return self.stalls[-1]
+
+    def _work(self) -> None:
+        while True:
+            pending, job = self._queue.get()
+            try:
+                job()
+                pending.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - raised where the training thread waits
+                pending.set_exception(exc)
+
+    def _complete(
+        self, engine: tp.Any, staged: dict[str, tp.Any], step: int, tmp: Path, state: dict[str, tp.Any]
+    ) -> None:
+        """The background half of a save: publish, replicate, agree, prune. Never raises: a
+        failed snapshot is reported and skipped (the disk checkpoint stays), and every rank still
+        takes part in the exchange and the all-reduce, so that none waits for it forever."""
+        final = rundir.step_dir(self.rank_dir(self.env.rank), step)
+        data, why = b"", None
+        try:
+            rundir.trainer_state(tmp, self.env.rank).write_bytes(ckpt.serialise(state))
+            engine.write_snapshot(staged, rundir.engine_state(tmp))
+            publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id)
+            data = pack(final) if peer_of(self.nodes, self.env.rank) is not None else b""
+        except Exception as exc:  # noqa: BLE001 - reported, and the ranks still meet below
+            why = f"{type(exc).__name__}: {exc}"
+        why = self._replicate(data, step) if why is None else why
+        ok = torch.tensor([0 if why else 1], dtype=torch.int64)
+        if self.group is not None:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if why:
+            self.failures += 1
+            print(f"[hpcrun rank {self.env.rank}] snapshot of step {step} failed: {why}", file=sys.stderr, flush=True)
+        if ok.item():  # every rank holds step `step` twice: older ones are of no more use
+            self._prune(step)
+
+    def _replicate(self, data: bytes, step: int) -> str | None:
+        peer = peer_of(self.nodes, self.env.rank)
+        if peer is None:
+            return None
+        senders = [r for r in range(self.env.world_size) if peer_of(self.nodes, r) == self.env.rank]
+        try:
+            sends = self._send(data, peer)
+            why = None
+            for sender in senders:
+                received = self._recv(sender)
+                self._held.add(sender)
+                if not received:
+                    why = why or f"rank {sender} sent no snapshot"
+                    continue
+                why = unpack(received, self.rank_dir(sender), step) or why
+            for work, _ in sends:
+                work.wait()
+            return why
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            return f"{type(exc).__name__}: {exc}"
+
+    def _prune(self, step: int) -> None:
+        for rank in self._held:
+            path = self.rank_dir(rank)
+            for old, old_path in rundir.step_dirs(path).items():
+                if old < step:
+                    shutil.rmtree(old_path, ignore_errors=True)
+            for leftover in rundir.partial_step_dirs(path):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Until the snapshot in flight is published, replicated and agreed on."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self, remove: bool) -> None:
+        """Wait for the snapshot in flight; with `remove` (the training finished, or no restart
+        in this job can come), delete this rank's directories and, once empty, the job's."""
+        self.wait()
+        if not remove:
+            return
+        for rank in self._held:
+            shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
+        for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):
+            try:
+                parent.rmdir()
+            except OSError:  # another rank's directories are still there
+                pass
+
+    def info(self, message: str) -> None:
+        print(f"[hpcrun rank {self.env.rank}] {message}", file=sys.stderr, flush=True)

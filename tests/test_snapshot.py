@@ -1,0 +1,198 @@
+"""In-memory snapshots (hpcrun.runtime.snapshot) off the cluster: four real rank processes on this
+machine as two pretend nodes of two ranks, each node with a scratch directory of its own
+(`HPCRUN_LOCAL_SCRATCH`), started the way srun starts an in-job restart (same job id, same
+restart count). The training is SIGKILLed whole after a snapshot, a node's scratch is deleted (a
+lost node) or a snapshot torn, the ranks are started again, and the run must end with the weights
+(sha256) and losses of a run never interrupted, having resumed from the source the case calls for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import typing as tp
+from pathlib import Path
+
+import pytest
+
+from hpcrun import rundir
+from hpcrun.backend import prepare
+from hpcrun.plan import plan
+from hpcrun.recipe import load_recipe
+from hpcrun.runtime import snapshot
+from hpcrun.site import load_site
+from tests.delayed_training import entrypoint_job
+from tests.helpers import ROOT
+from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.test_fault_tolerance import alive, weights
+
+pytestmark = pytest.mark.slow
+
+WORLD, PER_NODE = 4, 2
+TRAINING = {"steps": 20, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
+STEP_DELAY_S = 0.4  # 8 s of training: time to see a snapshot on both nodes and kill before the end
+
+
+def prepared(tmp: Path, name: str, delay: float, memory_interval: int, disk_interval: int, strategy: str) -> Path:
+    partition = {"max_nodes": 1, "gpus_per_node": 0, "cpus_per_node": WORLD, "memory_gb": 16, "max_time": "1-00:00:00"}
+    site = load_site(str(site_copy(tmp, partitions={"local": partition})))
+    path = recipe(
+        tmp, name, job=entrypoint_job(str(ROOT), delay), training=TRAINING,
+        resources={"nodes": 1, "gpus_per_node": WORLD, "time": "00:10:00"}, strategy=STRATEGIES[strategy],
+        checkpoint={"interval": disk_interval, "memory_interval": memory_interval, "export_final": True},
+    )
+    return prepare(plan(site, load_recipe(path).base, path, name))
+
+
+def launch(run_dir: Path, nodes: list[Path], job_id: str, attempt: int = 0) -> list[subprocess.Popen[bytes]]:
+    """One start of the training step: every rank as srun would start it, ranks 2k and 2k+1 on
+    pretend node k; a restart inside the job keeps SLURM's job id and requeue count and raises
+    hpcrun's attempt number (HPCRUN_ATTEMPT), as the batch script does."""
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(WORLD),
+            "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_RESTART_COUNT": "0",
+            "HPCRUN_ATTEMPT": str(attempt),
+            rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
+        }
+        with (run_dir / f"rank{rank}.log").open("ab") as log:
+            procs.append(subprocess.Popen(["bash", str(run_dir / "script.sh")], env=env, stdout=log, stderr=log))
+    return procs
+
+
+def finished(procs: list[subprocess.Popen[bytes]], run_dir: Path) -> None:
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, (run_dir / "rank0.log").read_text()[-3000:]
+
+
+def held(node: Path, job_id: str, run_id: str) -> dict[int, list[int]]:
+    """The complete snapshot steps of each rank directory on `node`."""
+    job_dir = rundir.snapshot_job_dir(node, job_id, 0)
+    return {
+        rank: sorted(s for s, p in rundir.step_dirs(path).items() if rundir.manifest(p).exists())
+        for rank, path in rundir.snapshot_ranks(job_dir, run_id, snapshot.node_name()).items()
+    }
+
+
+def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: str) -> tuple[Path, list[Path], str]:
+    """A run started, SIGKILLed whole once both nodes hold every rank's snapshot of step >= 6
+    (their own ranks' and the other node's replicas)."""
+    run_dir = prepared(tmp, name, STEP_DELAY_S, 2, disk_interval, strategy)
+    nodes = [tmp / "nodeA", tmp / "nodeB"]
+    job_id = str(random.randint(1000, 11000))  # the local script's rendezvous port derives from it
+    procs = launch(run_dir, nodes, job_id)
+
+    def both_hold() -> bool:
+        assert all(p.poll() is None for p in procs), "the training ended before it was killed"
+        return all(
+            set(found) == set(range(WORLD)) and all(steps and steps[-1] >= 6 for steps in found.values())
+            for found in (held(node, job_id, run_dir.name) for node in nodes)
+        )
+
+    wait_for(both_hold, what="snapshots of step 6 on both nodes", timeout=120)
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: not any(alive(p.pid) for p in procs), what="the kill")
+    for proc in procs:
+        proc.wait()
+    return run_dir, nodes, job_id
+
+
+BASELINES: dict[str, Path] = {}
+
+
+def baseline(factory: pytest.TempPathFactory, strategy: str) -> Path:
+    """The same training never interrupted, with no snapshots (one per strategy and session)."""
+    if strategy not in BASELINES:
+        tmp = factory.mktemp(f"whole-{strategy}")
+        run_dir = prepared(tmp, "whole", 0.0, 0, 1000, strategy)
+        finished(launch(run_dir, [tmp / "nodeA", tmp / "nodeB"], str(random.randint(1000, 11000))), run_dir)
+        BASELINES[strategy] = run_dir
+    return BASELINES[strategy]
+
+
+def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: Path) -> dict[str, tp.Any]:
+    """Start the job again; it must finish with the baseline's weights and losses. Returns the row."""
+    finished(launch(run_dir, nodes, job_id, attempt=1), run_dir)
+    assert state(run_dir)["status"] == "completed", state(run_dir)
+    assert weights(run_dir) == weights(baseline)
+    assert losses(run_dir) == losses(baseline)
+    assert not rundir.snapshot_job_dir(nodes[0], job_id, 0).exists(), "a finished run's snapshots are removed"
+    (row,) = rows(tmp, run_dir).to_dict("records")
+    return dict(row)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lost_node_resumes_from_the_replica(
+    strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "lost", 1000, strategy)
+    kept = max(held(nodes[0], job_id, run_dir.name)[2])  # what node A holds of node B's rank 2
+    shutil.rmtree(nodes[1])  # node B is lost with its ranks' own snapshots
+    row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, strategy))
+    assert row["resumed_from"] == "replica" and row["first_step"] == kept >= 6, row
+    assert f"resumed from replica snapshot (step {kept})" in (run_dir / "rank0.log").read_text()
+
+
+def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1's newest snapshot is truncated on its own node, and its replica on the other node
+    has lost its manifest: no node has a whole copy, so that step is not used and the run resumes
+    from the older disk checkpoint (every 5 steps), although every other rank's copies are intact."""
+    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", 5, "ddp")
+    host = snapshot.node_name()
+    own = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[0], job_id, 0), run_dir.name, host, 1)
+    replica = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[1], job_id, 0), run_dir.name, host, 1)
+    newest = max(held(nodes[0], job_id, run_dir.name)[1])
+    data = max((p for p in rundir.step_dir(own, newest).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    rundir.manifest(rundir.step_dir(replica, newest)).unlink()
+    disk = max(rundir.step_dirs(run_dir / "checkpoints"))
+    # killed within a step of snapshot 6 on both nodes, 4 steps (1.6 s) before the disk's step 10
+    assert newest > disk, f"the disk checkpoint ({disk}) is newer than the torn snapshot ({newest}) anyway"
+    row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, "ddp"))
+    assert row["resumed_from"] == "disk" and row["first_step"] == disk, row
+    assert "not used" in (run_dir / "rank1.log").read_text() + (run_dir / "rank0.log").read_text()
+
+
+def test_verify_refuses_what_differs_from_the_manifest(tmp_path: Path) -> None:
+    step = tmp_path / "step"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "a").write_bytes(b"abc" * 100)
+    (step / "b").write_bytes(b"x")
+    snapshot.publish(step, tmp_path / "done", step=1)
+    done = tmp_path / "done"
+    assert snapshot.verify(done) is None
+    (done / "state" / "a").write_bytes(b"abc" * 50)  # truncated
+    assert "state/a" in (snapshot.verify(done) or "")
+    (done / "state" / "a").write_bytes(b"abc" * 100)
+    (done / "c").write_bytes(b"")  # a file the manifest does not list
+    assert "c" in (snapshot.verify(done) or "")
+    rundir.manifest(done).unlink()
+    assert "missing" in (snapshot.verify(done) or "")
+
+
+def test_local_run_with_snapshots_finishes_identically(tmp_path: Path) -> None:
+    """`hpcrun submit --site local` with snapshots every 2 steps into the default scratch
+    (/dev/shm): the same weights and losses as with none, every snapshot taken and none failed,
+    and nothing left in /dev/shm."""
+    site = site_copy(tmp_path)
+    digests = {}
+    for interval in (0, 2):
+        path = recipe(
+            tmp_path, f"local-{interval}", training={"steps": 12, "micro_batch": 2, "seq_len": 32},
+            checkpoint={"interval": 5, "memory_interval": interval, "export_final": True},
+        )
+        run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(path)))
+        assert state(run_dir)["status"] == "completed", state(run_dir)
+        digests[interval] = (weights(run_dir), losses(run_dir))
+        job_id = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+        assert not rundir.snapshot_job_dir("/dev/shm", job_id, 0).exists()
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
+    # steps 2, 4, 6, 8 (10 saves to disk, 12 is the end)
+    assert "in-memory snapshots: 4," in logs and ", 0 failed" in logs, logs
+    assert digests[0] == digests[2]
