@@ -106,7 +106,7 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
         staged = staging_bytes(params, n, option, per_node) if spec.recipe.checkpoint.asynchronous else 0.0
         cpu += staged
         snapshots = (
-            snapshot_bytes(params, n, option, per_node, spec.nodes) if spec.recipe.checkpoint.memory_interval else 0.0
+            snapshot_bytes(params, n, option, per_node, spec.nodes) if spec.takes_snapshots else 0.0
         )
         cpu += snapshots
         disk = moved * per_node if option.offload == "nvme" else 0.0

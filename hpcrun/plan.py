@@ -82,6 +82,14 @@ class RunSpec(Frozen):
         return self.nodes * self.ranks_per_node
 
     @property
+    def takes_snapshots(self) -> bool:
+        """Whether the ranks keep in-memory snapshots (hpcrun.runtime.snapshot): only a restart
+        inside the job reads them, and a command job's ranks are not hpcrun's. DeepSpeed's engine
+        keeps none (its ranks say so and use disk only)."""
+        recipe = self.recipe
+        return bool(recipe.checkpoint.memory_interval and recipe.fault.restarts_in_job and recipe.job.kind != "command")
+
+    @property
     def spare_nodes(self) -> int:
         return self.recipe.resources.spare_nodes
 

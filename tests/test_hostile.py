@@ -151,7 +151,7 @@ def check_failure_step(tmp: Path, site: dict[str, tp.Any], what: str) -> None:
     expected = [*python, "-m", "hpcrun.runtime.failure", launch[-1], "1"]  # launch[-1]: the run directory
     assert words[-len(expected):] == expected, f"{what}: {words}"
     # inside the ranks' container: after srun's own options, the same words as the launch line's
-    wrapper = words[: -len(expected)][4:]
+    wrapper = words[: -len(expected)][5:]  # --overlap --nodes --ntasks --ntasks-per-node --nodelist
     launch_error = next(i for i, w in enumerate(launch) if w.startswith("--error="))
     assert wrapper == launch[launch_error + 1: -len(python) - 4], f"{what}: {words} vs {launch}"
     if site["environment"].get("container"):

@@ -46,7 +46,7 @@ class Context:
         )
         self.snapshots = (
             snapshot.Snapshots(local_scratch(spec.local_scratch), spec.run_id, env)
-            if checkpoint.memory_interval and spec.recipe.job.kind != "command"
+            if spec.takes_snapshots
             else None
         )
         self.resumed_from: str | None = None  # memory, replica or disk: the results row's `resumed_from`

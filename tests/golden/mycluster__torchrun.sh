@@ -41,7 +41,7 @@ srun_stderr=$(mktemp)
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
-# on the first 1 nodes of the allocation.
+# on the allocation's first nodes (1).
 # A failed step is recorded once, here, after it: which task ended first (srun's messages,
 # shown as they come and kept aside), the one results row, and what comes next
 # (hpcrun.runtime.failure): the step again inside this job, on the nodes it names (up to

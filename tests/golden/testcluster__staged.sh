@@ -28,8 +28,14 @@ run_dir=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup
 srun_stderr=$(mktemp)
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
 
+# In-memory snapshots (checkpoint.memory_interval), node-local: removed on every node at the end
+# (hpcrun.rundir.snapshot_job_dir: the ranks derive the same path; a lost node's went with it)
+snapshot_job_dir=/run/hpcrun-node-local/hpcrun-"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
+  timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$snapshot_job_dir" || true' EXIT
+
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
-# on the first 1 nodes of the allocation.
+# on the allocation's first nodes (1).
 # A failed step is recorded once, here, after it: which task ended first (srun's messages,
 # shown as they come and kept aside), the one results row, and what comes next
 # (hpcrun.runtime.failure): the step again inside this job, on the nodes it names (up to
