@@ -156,7 +156,8 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     finally:
         faults.power_on(second)
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
-    assert records(job) == ["COMPLETED"], records(job)
+    # one job start; SLURM records dropping the lost node as a RESIZING record of the same start
+    assert "REQUEUED" not in records(job) and records(job)[-1] == "COMPLETED", records(job)
     assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
     failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
     assert f"node lost: {second}" in failed["reason"] and f"on {first},{spare}" in failed["reason"], failed["reason"]
@@ -186,11 +187,11 @@ def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, base
     final = wait_done(run_dir, timeout=240)
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
     assert records(job) == ["COMPLETED"], records(job)
-    text = log.read_text()
-    before, _, after = text.partition("attempt 1 (requeues 0)")
+    before = log.read_text().partition("attempt 1 (requeues 0)")[0]  # rank 0's steps, then the restart's
     reached = max(int(m) for m in re.findall(r"step (\d+)/30", before))
-    resumed = re.search(r"resumed from (\w+) snapshot \(step (\d+)\)", after)
-    assert resumed and resumed[1] == "memory", after[:2000]
+    said = log.with_suffix(".err").read_text()  # the restart's word on where it resumed
+    resumed = re.search(r"resumed from (\w+) snapshot \(step (\d+)\)", said)
+    assert resumed and resumed[1] == "memory", said[-3000:]
     assert reached - int(resumed[2]) <= memory_interval, (reached, resumed[0])
     assert 10 < int(resumed[2]) < 20, resumed[0]  # newer than the disk checkpoint
     table = rows(tmp_path, run_dir)
