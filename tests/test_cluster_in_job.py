@@ -15,7 +15,9 @@ import typing as tp
 from pathlib import Path
 
 import pytest
+import yaml
 
+from hpcrun import rundir
 from tests import faults, pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
@@ -25,6 +27,7 @@ from tests.test_cluster_faults import CHECKPOINT, TRAINING, records, wait_checkp
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 PAUSED = entrypoint_job(str(ROOT), 0.4)
 TWO_BY_TWO = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+LOCAL_SCRATCH = Path(yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())["storage"]["local_scratch"])
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,19 @@ def attempt_starts(tmp: Path, run_dir: Path) -> dict[int, tuple[int, float]]:
     steps = load_steps(tmp / "results", run_id=run_dir.name)
     first = steps.sort_values("time").groupby("restart_count").first()
     return {int(a): (int(r["step"]), r["time"].timestamp()) for a, r in first.iterrows()}
+
+
+def snapshot_step(run_dir: Path, job: str, ranks: list[tuple[int, str]]) -> int:
+    """The newest step of which every rank's own in-memory snapshot is complete (its manifest),
+    read in each rank's node-local scratch through the rank's own view of the filesystem (the
+    node's tmpfs lives in its mount namespace: /proc/PID/root)."""
+    newest = []
+    for rank, (pid, node) in enumerate(ranks):
+        scratch = Path(f"/proc/{pid}/root") / LOCAL_SCRATCH.relative_to("/")
+        mine = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(scratch, job, 0), run_dir.name, node, rank)
+        steps = [s for s, path in rundir.step_dirs(mine).items() if rundir.manifest(path).exists()]
+        newest.append(max(steps, default=0))
+    return min(newest)
 
 
 def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -> None:
@@ -178,11 +194,12 @@ def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, base
     )
     wait_checkpoint(run_dir)  # step 10 on disk; the next at 20
     log = next((run_dir / "logs").glob("*_0_log.out"))
-    deadline = time.time() + 120
-    while time.time() < deadline and "step 15/30" not in log.read_text():
-        time.sleep(0.1)
-    pids = [faults.rank_pid(job, rank, attempt=0)[0] for rank in range(4)]
-    for pid in pids:
+    ranks = [faults.rank_pid(job, rank, attempt=0) for rank in range(4)]
+    deadline = time.time() + 60
+    while time.time() < deadline and (complete := snapshot_step(run_dir, job, ranks)) < 14:
+        time.sleep(0.05)
+    assert complete >= 14, complete
+    for pid, _ in ranks:
         os.kill(pid, signal.SIGKILL)
     final = wait_done(run_dir, timeout=240)
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
@@ -192,7 +209,8 @@ def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, base
     said = log.with_suffix(".err").read_text()  # the restart's word on where it resumed
     resumed = re.search(r"resumed from (\w+) snapshot \(step (\d+)\)", said)
     assert resumed and resumed[1] == "memory", said[-3000:]
-    assert reached - int(resumed[2]) <= memory_interval, (reached, resumed[0])
+    # from the newest snapshot every rank had complete when they died, so no more than an interval
+    assert int(resumed[2]) >= complete and reached - int(resumed[2]) <= memory_interval, (reached, complete, resumed[0])
     assert 10 < int(resumed[2]) < 20, resumed[0]  # newer than the disk checkpoint
     table = rows(tmp_path, run_dir)
     assert table[table.restart_count == 1].iloc[0]["resumed_from"] == "memory", table
