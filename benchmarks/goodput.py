@@ -158,15 +158,17 @@ def queue_state(job: str) -> tuple[str, str] | None:
     return (out[0], out[1]) if len(out) >= 2 else None
 
 
-def inject(fault: str, job: str, log: Path, at: int, power_ons: list[threading.Thread]) -> dict[str, tp.Any]:
-    """Wait for step `at` with every rank of the attempt alive, inject `fault`, and time what follows."""
+def inject(fault: str, job: str, log: Path, at: int, powered_off: list[str],
+           power_ons: list[threading.Thread]) -> dict[str, tp.Any]:
+    """Wait for step `at` with every rank of the attempt alive, inject `fault`, and time what follows.
+    A node powered off is named in `powered_off` first, its power-on thread (named after it) in `power_ons`."""
     from tests import faults
 
-    def reached() -> int | None:  # the attempt (+1: 0 is an attempt) once it completed step `at`
+    def attempt_at() -> int | None:  # the attempt (+1: 0 is an attempt) once it completed step `at`
         seen = progress(log)
         return seen[-1][0] + 1 if seen and seen[-1][1] >= at else None
 
-    attempt = wait(reached, f"step {at}", timeout=1800) - 1
+    attempt = wait(attempt_at, f"step {at}", timeout=1800) - 1
     wait(lambda: faults.ranks_alive(job, WORLD, attempt=attempt) == list(range(WORLD)),
          f"every rank of attempt {attempt}", timeout=120)
     targets = {"kill": [3], "hang": [1], "node": [3], "all": list(range(WORLD))}[fault]
@@ -174,6 +176,7 @@ def inject(fault: str, job: str, log: Path, at: int, power_ons: list[threading.T
     node = pids[0][1]
     fault_at = time.time()
     if fault == "node":
+        powered_off.append(node)
         faults.power_off(node)
     else:
         for pid, _ in pids:
@@ -208,6 +211,7 @@ def inject(fault: str, job: str, log: Path, at: int, power_ons: list[threading.T
 def drive(arm: str, pool: int, steps: int, restarts: int | None, out: Path) -> None:
     """One arm on one pool (this process's environment names the pool for tests/faults)."""
     from hpcrun.results import load
+    from tests import faults
 
     tmp = scratch(f"goodput-{arm}-", "/var/tmp")
     base = yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())
@@ -225,19 +229,28 @@ def drive(arm: str, pool: int, steps: int, restarts: int | None, out: Path) -> N
     run_dir = Path(next(ln.split("run dir:")[1].strip() for ln in done.stdout.splitlines() if "run dir:" in ln))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     log = tmp / "progress.txt"
-    events, power_ons = [], []  # type: ignore[var-annotated]
+    events: list[dict[str, tp.Any]] = []
+    powered_off: list[str] = []
+    power_ons: list[threading.Thread] = []
     try:
         for fault, at in zip(FAULTS, fault_steps(steps)) if arm != "a" else ():
-            events.append(inject(fault, job, log, at, power_ons))
+            events.append(inject(fault, job, log, at, powered_off, power_ons))
             print(f"[{arm}] {fault}: {events[-1]}", file=sys.stderr, flush=True)
 
         def finished() -> dict[str, tp.Any] | None:
             state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {}
-            ended = state.get("status") == "completed" or (state.get("status") == "failed" and queue_state(job) is None)
-            return state if ended else None
+            # gone from the queue too: sacct then holds the job's last record (COMPLETED, not RUNNING)
+            ended = state.get("status") in ("completed", "failed") and not str(state.get("reason")).endswith("requeued")
+            return state if ended and queue_state(job) is None else None
 
         state = wait(finished, f"arm {arm}'s end", timeout=steps * STEP_S * 4 + 1200, every=2)
-    finally:
+    except BaseException:  # the pool is shared: leave no job of ours running there
+        subprocess.run(["scancel", job], check=False)
+        raise
+    finally:  # and no node of it off
+        for node in powered_off:
+            if not any(thread.name == node for thread in power_ons):
+                faults.power_on(node)
         for thread in power_ons:
             thread.join(timeout=120)
     rows = load(tmp / "results", run_id=run_dir.name)
@@ -292,6 +305,16 @@ def run_round(args: argparse.Namespace, steps: int, tmp: Path, n: int) -> dict[s
     return {arm: json.loads((tmp / f"{arm}{n}.json").read_text()) for arm in ARMS}
 
 
+def path(reason: str | None) -> str:
+    """How the failed attempt went on, from its results row's reason."""
+    if not reason:
+        return "-"
+    for word, said in (("restarting in the job", "in job"), ("NODE_FAIL", "NODE_FAIL requeue"), ("requeue", "requeue")):
+        if word in reason:
+            return said
+    return reason[:40]
+
+
 def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
@@ -326,15 +349,17 @@ def main() -> None:
     )
     tmp = scratch("goodput-", "/var/tmp")
     rounds = [run_round(args, steps, tmp, n) for n in range(args.rounds)]
-    print("| round | fault | arm | fault -> no rank left | fault -> failure recorded | fault -> first resumed step "
-          "| steps recomputed (reached - resumed from) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| round | fault | arm | path | fault -> no rank left | fault -> failure recorded | "
+          "fault -> first resumed step | steps recomputed (reached - resumed from) |")
+    print("|---|---|---|---|---|---|---|---|")
     for n, arms in enumerate(rounds):
         for k, fault in enumerate(FAULTS):
             for arm in ("b", "c"):
                 e = arms[arm]["faults"][k]
-                print(f"| {n} | {fault} | {arm} | {seconds(e['ended_s'])} | {seconds(e['recorded_s'])} | "
-                      f"{seconds(e['first_step_s'])} | {e['recomputed']} ({e['last_step']} - {e['resumed_from']}) |")
+                waited = " (waited for the node)" if e["job_waited_for_node"] else ""
+                print(f"| {n} | {fault} | {arm} | {path(e['reason'])} | {seconds(e['ended_s'])} | "
+                      f"{seconds(e['recorded_s'])} | {seconds(e['first_step_s'])}{waited} | "
+                      f"{e['recomputed']} ({e['last_step']} - {e['resumed_from']}) |")
     print("| round | arm | wall time (first -> last step) | goodput | in-job restarts | sacct | weights = arm a's |")
     print("|---|---|---|---|---|---|---|")
     goodputs: dict[str, list[float]] = {"b": [], "c": []}
