@@ -13,10 +13,13 @@ The faults, in this order, each when the training reaches its step:
   kill  SIGKILL to rank 3
   hang  SIGSTOP to rank 1 (`fault.hang_timeout_s: 20` in every arm)
   node  every process of rank 3's node killed, slurmd included (`tests/faults.power_off`; never the
-        first node, which holds the batch script), powered on again once the job resumed without it
+        first node, which holds the batch script), powered on again once the job resumed without it,
+        or once it has pended for it 10 s past its requeue hold (a requeued job with a spare asks for
+        N+K nodes again; a pool has none other to give: the row says "waited for the node")
   all   SIGKILL to every rank at once (the batch script alive)
 
-Per fault and arm it prints the detection time (fault -> no rank of the attempt left, and fault ->
+Per fault and arm it prints the path hpcrun took (in job, requeue, NODE_FAIL requeue: the failed
+attempt's results row), the detection time (fault -> no rank of the attempt left, and fault ->
 the failed attempt's results row written, its `end_time`), fault -> first resumed step, and the
 steps recomputed (the last step the faulted attempt reached minus the step the next one resumed
 from); per arm the training's wall time (first step -> last step) and goodput = the uninterrupted
@@ -24,12 +27,13 @@ arm's wall time / the arm's. The same table goes to `--out` as JSON. The final w
 of every arm are compared: each arm trains the same numbers.
 
 Why these sizes: steps pause `STEP_DELAY_S` (tests/delayed_training.py's way: time-bounded steps,
-~0.45 s with the tiny model's compute), so the run lasts its minutes on any CPU and a fault lands
-mid-step as on a real cluster; a disk checkpoint every `INTERVAL` steps (~18 s) is as often as a
-real job checkpoints relative to its step time (a few percent of its time), and each fault lands
-half an interval after a checkpoint, the average case for the steps a rude fault loses.
+~0.38 s with the tiny model's compute), so the run lasts its minutes on any CPU and a fault lands
+mid-step as on a real cluster; a disk checkpoint every `INTERVAL` steps (~15 s) makes the steps a
+rude fault loses (half an interval on average, ~8 s) as large as a restart's own cost, as on a real
+cluster; each fault lands half an interval after a disk checkpoint, that average case (in-memory
+snapshots, where arm b has them, fall elsewhere in their own interval).
 
-Each arm is a process of its own driving its job (`--pools`: arm i on pool i modulo their number;
+Each arm is a process of its own driving its job (`--pools`: arms b, c, a take the pools in turn;
 arms sharing a pool run one after the other, the others at once). Arms at once share this
 machine's CPUs, the uninterrupted one included: their start-ups slow each other's steps a little.
 Step times come from the job itself (rank 0 appends `attempt step time` to a file after each
@@ -58,13 +62,13 @@ import yaml
 from scratch import ROOT, scratch, scratch_site  # benchmarks/scratch.py
 
 STEP_DELAY_S = 0.35
-STEP_S = 0.45  # the delay and the tiny model's compute on this machine's CPUs, to size `--minutes`
+STEP_S = 0.38  # the delay and the tiny model's compute on this machine's CPUs, to size `--minutes`
 INTERVAL = 40
 HANG_TIMEOUT_S = 20
 NODE_WAIT_S = 10  # a job pending this long past its requeue hold with a node down waits for that node
 WORLD = 4
 FAULTS = ("kill", "hang", "node", "all")
-ARMS = {"a": "uninterrupted", "b": "in-job (restarts, spare, snapshots)", "c": "requeue (today's path)"}
+ARMS = {"a": "uninterrupted", "b": "in-job (restarts, spare)", "c": "requeue (today's path)"}
 
 
 def train(ctx: tp.Any) -> None:
