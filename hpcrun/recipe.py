@@ -152,10 +152,12 @@ class Fault(Frozen):
     hang_timeout_s: int | None = pydantic.Field(default=None, ge=10)
     """A rank that makes no step progress this long is hung: stacks are dumped and the attempt
     ends. None: derived from the first steps' measured step time (at least 300 s)."""
-    restarts_in_job: int = pydantic.Field(default=2, ge=0, le=20)
+    restarts_in_job: int = pydantic.Field(default=5, ge=0, le=20)
     """On SLURM, how many times a failed training step (a dead, hung or lost rank) is started again
     inside the same allocation, from the newest complete state, before the job falls back to a
-    requeue. 0: every failure requeues (through the queue). Stops for a signal always requeue."""
+    requeue. 0: every failure requeues (through the queue). Stops for a signal always requeue. A
+    restart costs seconds; a long job meets several faults, and the same-crash rule, not this cap,
+    is what stops a crash loop (`checkpoint.max_requeues` still bounds the run)."""
     exclude_failed_nodes: bool = True
     """A requeued job avoids nodes that failed during this run, while the partition has enough."""
     straggler_factor: float | None = pydantic.Field(default=2.0, gt=1)

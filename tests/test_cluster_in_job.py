@@ -93,7 +93,7 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     assert len(table) == 2 and len(table[table.restart_count == 0]) == 1, table[["restart_count", "status"]]
     failed = table[table.restart_count == 0].iloc[0]
     assert failed["status"] == "failed" and f"rank 3 on {node}" in failed["reason"], failed["reason"]
-    assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 2)" in failed["reason"], failed["reason"]
+    assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 5)" in failed["reason"], failed["reason"]
     first_step, stepped = attempt_starts(tmp_path, run_dir)[1]
     print(
         f"\n[in-job restart] last rank gone -> new ranks started: {launched - gone:.1f} s; "

@@ -240,7 +240,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
     next_file = os.environ.get("HPCRUN_NEXT_NODES")
     may_restart = bool(next_file) and in_job < spec.recipe.fault.restarts_in_job
-    lost = lost_step_nodes(step_nodes, srun_stderr) if may_restart else []
+    lost = lost_step_nodes(step_nodes, srun_stderr)  # also for a requeue: the next start excludes it
     if lost:
         failure = dataclasses.replace(failure, what=f"{failure.what}; node lost: {','.join(lost)}")
     allocated = hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if may_restart and spec.spare_nodes else step_nodes
