@@ -112,14 +112,15 @@ def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -
     stacks are in the logs, and the step starts again in the same job with identical weights."""
     run_dir, job = submit(tmp_path, "in-job-hang", fault={"hang_timeout_s": 20})
     wait_checkpoint(run_dir)
-    faults.signal_rank(job, 3, signal.SIGSTOP, attempt=0)
+    node = faults.signal_rank(job, 3, signal.SIGSTOP, attempt=0)
     final = wait_done(run_dir, timeout=300)
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
     assert records(job) == ["COMPLETED"], records(job)
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
     assert "hung: no step progress for 20 s" in logs and "Thread" in logs, logs[-3000:]
     failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
-    assert len(failed) == 1 and "silent: rank 3 on" in failed[0]["reason"], failed
+    silent = f"silent: rank 3 on {node}"  # the node as SLURM names it (not the host's own name)
+    assert len(failed) == 1 and silent in failed[0]["reason"], failed
     assert "restarting in the job" in failed[0]["reason"], failed
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 

@@ -13,6 +13,7 @@ Imports no torch: the failure step runs after srun, outside the ranks.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import typing as tp
@@ -34,7 +35,8 @@ def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, step
     """This rank's last step (`stepped`: when, unix time) and that this process still runs."""
     path = run_dir.heartbeat(job_id, restart, rank)
     path.parent.mkdir(exist_ok=True)
-    beat = {"rank": rank, "host": socket.gethostname(), "step": step, "stepped": stepped, "alive": time.time()}
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # SLURM's name for the node, as srun says it
+    beat = {"rank": rank, "host": host, "step": step, "stepped": stepped, "alive": time.time()}
     replace_whole(path, json.dumps(beat))  # a heartbeat lost to a crash says what a stale one says
 
 
