@@ -41,3 +41,11 @@ def test_spares_are_allocated_and_the_job_outlives_a_lost_node(tmp_path: Path) -
     data["resources"].update(spare_nodes=0)
     plain = cli("render", "--site", "testcluster", str(write_yaml(tmp_path / "p.yaml", data))).stdout
     assert "#SBATCH --nodes=2\n" in plain and "--no-kill" not in plain
+
+
+def test_plan_names_the_spares(tmp_path: Path) -> None:
+    data = load_yaml(ROOT / "jobs" / "quickstart.yaml")
+    data["resources"].update(nodes=2, spare_nodes=1, partition="spare")
+    out = cli("plan", "--site", "testcluster", str(write_yaml(tmp_path / "r.yaml", data)))
+    assert out.exit_code == 0, out.output
+    assert "on 2 x 2 of testcluster/spare (fp32; +1 spare node(s), held idle for the job)" in out.output, out.output

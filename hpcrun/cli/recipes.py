@@ -73,9 +73,10 @@ def plan_command(site_name: str, recipe: Path) -> None:
         )
     spec = plan(site, recipe_file.base, recipe, "plan")
     rows = estimate(spec)
+    spares = f"; +{spec.spare_nodes} spare node(s), held idle for the job" if spec.spare_nodes else ""
     click.echo(
         f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} "
-        f"({spec.recipe.precision}):"
+        f"({spec.recipe.precision}{spares}):"
     )
     table = [
         [
