@@ -59,10 +59,10 @@ class RunSpec(Frozen):
     nvme: NVMe | None
     """The site's node-local NVMe, whatever the strategy (the planner weighs ZeRO-Infinity on it)."""
     nvme_dir: str | None
-    local_scratch: str = "/dev/shm"
-    """The node-local directory in-memory snapshots go to (the site's `storage.local_scratch`)."""
     """The NVMe base directory when the strategy swaps to it; each job uses its own directory
     below it, `hpcrun.rundir.nvme_job_dir(nvme_dir, allocation id)`."""
+    local_scratch: str = "/dev/shm"
+    """The node-local directory in-memory snapshots go to (the site's `storage.local_scratch`)."""
     model: str | None
     """The built-in benchmark's model size name, None for user jobs."""
     size: GPTSize | None

@@ -104,7 +104,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         array=array,
         job_pattern="%A_%a" if array else "%j",
         nvme_dir=spec.nvme_dir,
-        snapshot_dir=spec.local_scratch if spec.takes_snapshots and spec.strategy.name != "deepspeed" else None,
+        snapshot_dir=spec.local_scratch if spec.takes_snapshots else None,  # every strategy: one array shape
         hostname=site.network.hostname,
         comment=slurm.comment(tag),
         starts_dir=rundir.STARTS,

@@ -29,7 +29,7 @@ import sys
 import typing as tp
 
 from hpcrun import jobstate, slurm
-from hpcrun.errors import HpcrunError
+from hpcrun.errors import HpcrunError, ToolError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json, step_dirs, write_json
 from hpcrun.runtime import heartbeat
@@ -99,10 +99,12 @@ def lost_step_nodes(step_nodes: list[str], srun_stderr: str) -> list[str]:
     def dead(node: str) -> bool:
         try:
             return slurm.run(slurm.probe_node(node), timeout=PROBE_S).returncode != 0
-        except HpcrunError:  # no answer within PROBE_S
+        except ToolError:  # srun itself missing here: nothing is known of the node
+            return False
+        except HpcrunError:  # no answer within PROBE_S: what a lost node's slurmd gives
             return True
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(step_nodes) or 1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(step_nodes) or 1)) as pool:
         return [n for n, gone in zip(step_nodes, pool.map(dead, step_nodes)) if gone]
 
 
@@ -240,11 +242,17 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
     next_file = os.environ.get("HPCRUN_NEXT_NODES")
     may_restart = bool(next_file) and in_job < spec.recipe.fault.restarts_in_job
-    lost = lost_step_nodes(step_nodes, srun_stderr)  # also for a requeue: the next start excludes it
+    try:  # SLURM's tools may not answer: the attempt is recorded all the same
+        lost = lost_step_nodes(step_nodes, srun_stderr)  # also for a requeue: the next start excludes it
+        allocated = (
+            hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if may_restart and spec.spare_nodes else step_nodes
+        )
+        room = partition_size(spec.partition) if lost and spec.recipe.fault.exclude_failed_nodes else 0
+    except HpcrunError as exc:
+        print(f"[hpcrun] looking for lost nodes: {exc.format_message()}", file=sys.stderr)
+        lost, allocated, room = [], step_nodes, 0
     if lost:
         failure = dataclasses.replace(failure, what=f"{failure.what}; node lost: {','.join(lost)}")
-    allocated = hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if may_restart and spec.spare_nodes else step_nodes
-    room = partition_size(spec.partition) if lost and spec.recipe.fault.exclude_failed_nodes else 0
     decided: dict[str, tp.Any] = {}
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:

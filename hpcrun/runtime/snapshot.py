@@ -174,6 +174,9 @@ class Snapshots:
         self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
+        if env.local_rank == 0:  # an earlier start of this job left its snapshots here (a requeue ends the script)
+            for n in range(env.requeues):
+                shutil.rmtree(rundir.snapshot_job_dir(scratch, env.allocation_id, n), ignore_errors=True)
 
     def rank_dir(self, rank: int) -> Path:
         return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
@@ -323,13 +326,16 @@ class Snapshots:
             why = f"{type(exc).__name__}: {exc}"
         why = self._replicate(data, step) if why is None else why
         ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-        if self.group is not None:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        try:
+            if self.group is not None:
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+            if ok.item():  # every rank holds step `step` twice: older ones are of no more use
+                self._prune(step)
+        except Exception as exc:  # noqa: BLE001 - a peer gone: the training's own collectives will say so
+            why = why or f"{type(exc).__name__}: {exc}"
         if why:
             self.failures += 1
             print(f"[hpcrun rank {self.env.rank}] snapshot of step {step} failed: {why}", file=sys.stderr, flush=True)
-        if ok.item():  # every rank holds step `step` twice: older ones are of no more use
-            self._prune(step)
 
     def _replicate(self, data: bytes, step: int) -> str | None:
         peer = peer_of(self.nodes, self.env.rank)

@@ -32,12 +32,19 @@ run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden
 srun_stderr=$(mktemp)
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
 
+# In-memory snapshots (checkpoint.memory_interval), node-local: removed on every node at the end
+# (hpcrun.rundir.snapshot_job_dir: the ranks derive the same path; a lost node's went with it)
+snapshot_job_dir=/dev/shm/hpcrun-"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
+  timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$snapshot_job_dir" || true' EXIT
+
 # Node-local NVMe for ZeRO-Infinity: one directory per job on every node, removed at the end
 # (the runtime derives the same path from the RunSpec and SLURM_JOB_ID).
 nvme_job_dir=/opt/dlami/nvme/hpcrun-"$SLURM_JOB_ID"
 srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$nvme_job_dir"
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
-  srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$nvme_job_dir"' EXIT
+  timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$snapshot_job_dir" || true
+  timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$nvme_job_dir" || true' EXIT
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
 # on the allocation's first nodes (1).
@@ -91,6 +98,10 @@ while :; do
     elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
       echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
       pkill -KILL -P "$step" -x srun || true
+      # and the step's tasks still on live nodes, before the failure step reads their records
+      for s in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+        case $s in *.batch|*.extern) ;; *) scancel --signal=KILL "$s" 2>/dev/null || true ;; esac
+      done
       failed_at=$((SECONDS + 3600))
     fi
   done

@@ -91,6 +91,10 @@ while :; do
     elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
       echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
       pkill -KILL -P "$step" -x srun || true
+      # and the step's tasks still on live nodes, before the failure step reads their records
+      for s in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+        case $s in *.batch|*.extern) ;; *) scancel --signal=KILL "$s" 2>/dev/null || true ;; esac
+      done
       failed_at=$((SECONDS + 3600))
     fi
   done
