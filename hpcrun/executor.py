@@ -264,7 +264,7 @@ class HpcrunJobEnvironment(JobEnvironment):
     _env: tp.ClassVar[dict[str, str]] = {
         "job_id": "HPCRUN_JOB_ID",  # SLURM's spelling, `<array>_<index>` for an array task
         "num_tasks": "WORLD_SIZE",
-        "num_nodes": "SLURM_JOB_NUM_NODES",
+        "num_nodes": "SLURM_STEP_NUM_NODES",  # the step's, not the job's: spares take no part
         "node": "SLURM_NODEID",
         "global_rank": "RANK",
         "local_rank": "LOCAL_RANK",
@@ -275,9 +275,9 @@ class HpcrunJobEnvironment(JobEnvironment):
 
     @property
     def hostnames(self) -> list[str]:
-        """The job's nodes, the first spelled as the script's MASTER_ADDR (its high-speed name):
+        """The step's nodes, the first spelled as the script's MASTER_ADDR (its high-speed name):
         submitit's TorchDistributedEnvironment meets there, where hpcrun's own jobs meet."""
-        node_list = os.environ.get("SLURM_JOB_NODELIST")
+        node_list = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
         nodes = slurm.run(slurm.hostnames(node_list)).stdout.split() if node_list else []
         return [os.environ.get("MASTER_ADDR", self.hostname), *nodes[1:]]
 
