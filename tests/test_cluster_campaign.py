@@ -370,6 +370,6 @@ def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory:
         ["scontrol", "show", "hostnames", node_list], capture_output=True, text=True, check=True
     ).stdout.split()[0]
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.*"))
-    assert "resumed from step-" in logs
+    assert "resumed from disk checkpoint" in logs
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
     print(f"4 nodes {node_list} (MASTER_ADDR: the first, {first}, from the rendered script)")

@@ -27,6 +27,7 @@ from tests.test_cluster_faults import CHECKPOINT, TRAINING, records, wait_checkp
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 PAUSED = entrypoint_job(str(ROOT), 0.4)
 TWO_BY_TWO = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
+REQUEUE_HOLD_S = 20  # the test cluster's AuthInfo=cred_expire: a requeued job waits this long to start again
 LOCAL_SCRATCH = Path(yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())["storage"]["local_scratch"])
 
 
@@ -99,7 +100,10 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
         f"\n[in-job restart] last rank gone -> new ranks started: {launched - gone:.1f} s; "
         f"-> first resumed step ({first_step}): {stepped - gone:.1f} s (start-up {stepped - launched:.1f} s)"
     )
-    assert launched - gone <= 10, f"the step started {launched - gone:.1f} s after the last rank left"
+    # 1-2 s on a quiet machine (RESULTS.md §3b, §3c); in CI the failure step's and the new step's
+    # srun wait on a slurmctld busy with the scale tests' campaign and on two loaded cores (11 s
+    # seen). Below SLURM's requeue hold, which a trip through the queue could not start sooner than.
+    assert launched - gone <= REQUEUE_HOLD_S, f"the step started {launched - gone:.1f} s after the last rank left"
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     header, line = shown.splitlines()[-2:]
@@ -154,7 +158,7 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     checkpoint), the lost node is recorded, and the weights are those of an uninterrupted run."""
     spare = pool.spare_node()
     assert spare, f"no spare node in partition {pool.partition('spare')} (tests/cluster/testcluster.sh up)"
-    resources = {**TWO_BY_TWO, "spare_nodes": 1, "partition": "spare"}
+    resources = {**TWO_BY_TWO, "spare_nodes": 1, "partition": pool.partition("spare")}
     run_dir, job = submit(
         tmp_path, "in-job-spare", resources=resources, training={**TRAINING, "log_interval": 1},
         checkpoint={**CHECKPOINT, "memory_interval": 2},

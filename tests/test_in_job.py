@@ -49,3 +49,14 @@ def test_plan_names_the_spares(tmp_path: Path) -> None:
     out = cli("plan", "--site", "testcluster", str(write_yaml(tmp_path / "r.yaml", data)))
     assert out.exit_code == 0, out.output
     assert "on 2 x 2 of testcluster/spare (fp32; +1 spare node(s), held idle for the job)" in out.output, out.output
+
+
+def test_snapshots_where_a_restart_can_read_them() -> None:
+    from hpcrun.plan import plan
+
+    def takes(site: str, **checkpoint: int) -> bool:
+        recipe = Recipe.model_validate({"name": "r", "checkpoint": checkpoint})
+        return plan(load_site(site), recipe, "r.yaml", "run").takes_snapshots
+
+    assert takes("testcluster") and not takes("testcluster", memory_interval=0)
+    assert not takes("local") and takes("local", memory_interval=25)  # nothing reads them locally unless asked
