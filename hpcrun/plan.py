@@ -84,11 +84,10 @@ class RunSpec(Frozen):
     @property
     def takes_snapshots(self) -> bool:
         """Whether the ranks keep in-memory snapshots (hpcrun.runtime.snapshot): only a restart
-        inside the job reads them (on a local site, taken only where the recipe sets
-        `memory_interval`: the cost benchmark, tests), and a command job's ranks are not hpcrun's. DeepSpeed's engine
-        keeps none (its ranks say so and use disk only)."""
+        inside the job reads them, so on a local site (none there) only where the recipe sets
+        `memory_interval` (the cost benchmark, tests); a command job's ranks are not hpcrun's.
+        DeepSpeed's engine keeps none (its ranks say so and use disk only)."""
         recipe = self.recipe
-        # on a local site nothing reads them (no restart inside a job there): only when asked for
         asked = self.scheduler == "slurm" or "memory_interval" in recipe.checkpoint.model_fields_set
         return bool(asked and recipe.checkpoint.memory_interval and recipe.fault.restarts_in_job
                     and recipe.job.kind != "command")

@@ -236,7 +236,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     failure = name_silent(run_dir, job_id, restart, failure, own, spec.world_size)
     signature = failure.signature(newest_checkpoint(run_dir))
     said = rank_row(own or next(iter(records), None) or {})
-    step_nodes = (os.environ.get("HPCRUN_STEP_NODES") or "").split(",") if os.environ.get("HPCRUN_STEP_NODES") else []
+    step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
     row = {**plan_row(spec, job_id, restart, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
     cap = spec.recipe.checkpoint.max_requeues
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)

@@ -29,8 +29,10 @@ export NCCL_SOCKET_IFNAME=enp71s0
 
 run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden
 
-# srun's messages (and exit status), kept aside for the failure step below; removed however the script ends.
+# srun's messages (and exit status), kept aside for the failure step below, and the job's
+# node-local directories (removed on every node): removed however the script ends.
 srun_stderr=$(mktemp)
+node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),

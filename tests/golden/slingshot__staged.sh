@@ -34,15 +34,18 @@ export NCCL_SOCKET_IFNAME=hsn0
 
 run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 
-# srun's messages (and exit status), kept aside for the failure step below; removed however the script ends.
+# srun's messages (and exit status), kept aside for the failure step below, and the job's
+# node-local directories (removed on every node): removed however the script ends.
 srun_stderr=$(mktemp)
-trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
-
-# In-memory snapshots (checkpoint.memory_interval), node-local: removed on every node at the end
-# (hpcrun.rundir.snapshot_job_dir: the ranks derive the same path; a lost node's went with it)
-snapshot_job_dir=/dev/shm/hpcrun-"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
-  timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$snapshot_job_dir" || true' EXIT
+  for dir in "${node_dirs[@]}"; do
+    timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$dir" || true
+  done' EXIT
+
+# In-memory snapshots (checkpoint.memory_interval), node-local
+# (hpcrun.rundir.snapshot_job_dir: the ranks derive the same path; a lost node's went with it)
+node_dirs+=(/dev/shm/hpcrun-"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}")
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
 # on the allocation's first nodes (1).
