@@ -62,6 +62,9 @@ def test_sweep_runs_as_throttled_arrays_and_is_idempotent(tmp_path: Path) -> Non
         "csv",
     ).stdout
     assert len(table.strip().splitlines()) == 5 and "scaling_efficiency" in table.splitlines()[0]
+    # state.json says completed before the batch script has ended (it still clears node-local
+    # snapshots): SLURM's word is awaited before the counts
+    hpcrun("status", "--site", str(site), sweep_dir.name, "--wait", "--timeout", "120")
     status = hpcrun("status", "--site", str(site), sweep_dir.name).stdout
     assert "done 4  running 0  pending 0  failed 0" in status
 

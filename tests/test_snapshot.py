@@ -81,7 +81,8 @@ def held(node: Path, job_id: str, run_id: str) -> dict[int, list[int]]:
 
 def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: str) -> tuple[Path, list[Path], str]:
     """A run started, SIGKILLed whole once both nodes hold every rank's snapshot of step >= 6
-    (their own ranks' and the other node's replicas)."""
+    (their own ranks' and the other node's replicas) and, with disk checkpoints due before step 6,
+    one of them is complete (it is written on a thread, and may end after a later snapshot)."""
     run_dir = prepared(tmp, name, STEP_DELAY_S, 2, disk_interval, strategy)
     nodes = [tmp / "nodeA", tmp / "nodeB"]
     job_id = str(random.randint(1000, 11000))  # the local script's rendezvous port derives from it
@@ -89,7 +90,10 @@ def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: st
 
     def both_hold() -> bool:
         assert all(p.poll() is None for p in procs), "the training ended before it was killed"
-        return all(
+        on_disk = disk_interval > 6 or any(
+            rundir.manifest(step).exists() for step in rundir.step_dirs(run_dir / "checkpoints").values()
+        )
+        return on_disk and all(
             set(found) == set(range(WORLD)) and all(steps and steps[-1] >= 6 for steps in found.values())
             for found in (held(node, job_id, run_dir.name) for node in nodes)
         )
