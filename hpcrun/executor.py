@@ -32,7 +32,7 @@ from hpcrun.rundir import LOGS, RunDir, atomic_path, sweep_dir
 from hpcrun.site import Site, load_site
 from hpcrun.status import controller_alive
 
-NAME = "hpcrun"
+NAME = "hpcrun"  # the plugin's name: what submitit.JobEnvironment() recognises (SUBMITIT_EXECUTOR)
 DEFAULT_JOB_NAME = "submitit"  # submitit's own default job name
 
 # The parameters this executor takes (submitit's shared names, then hpcrun's own) and the recipe

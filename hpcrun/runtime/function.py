@@ -26,11 +26,10 @@ from pathlib import Path
 
 from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
 
+from hpcrun import executor
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import atomic_path
 from hpcrun.runtime.context import Context
-
-EXECUTOR = "hpcrun"  # the plugin's name: what submitit.JobEnvironment() recognises (SUBMITIT_EXECUTOR)
 
 
 class Interrupted(BaseException):
@@ -52,7 +51,7 @@ def run_function(ctx: Context) -> None:
     folder = Path(job.folder) if job.folder else ctx.run_dir.logs
     result = JobPaths(folder, job_id=ctx.env.job_id, task_id=ctx.rank).result_pickle
     # what submitit's JobEnvironment reads (hpcrun.executor.HpcrunJobEnvironment)
-    os.environ.update(SUBMITIT_EXECUTOR=EXECUTOR, SUBMITIT_FOLDER=str(folder), HPCRUN_JOB_ID=ctx.env.job_id)
+    os.environ.update(SUBMITIT_EXECUTOR=executor.NAME, SUBMITIT_FOLDER=str(folder), HPCRUN_JOB_ID=ctx.env.job_id)
     delayed = DelayedSubmission.load(ctx.run_dir.function)
     try:
         try:
