@@ -49,11 +49,13 @@ def staging_bytes(params: float, n: int, option: Option, per_node: int) -> float
 def snapshot_bytes(params: float, n: int, option: Option, per_node: int, nodes: int) -> float:
     """Host memory per node in-memory snapshots take (`checkpoint.memory_interval`; DDP, FSDP):
     the node's ranks' state (as staged for a save) twice, the newest complete step and the one
-    being written, twice again for the replicas of another node's ranks, plus the staging buffers."""
+    being written, twice again for the replicas of another node's ranks, plus the staging buffers.
+    DDP's ranks hold the same state: one rank per node keeps it."""
     if not option.stages_checkpoints:
         return 0.0  # DeepSpeed keeps no snapshots
     copies = 2 * (2 if nodes > 1 else 1) + 1
-    return copies * staging_bytes(params, n, option, per_node)
+    holders = 1 if option.shard_params == "none" and not option.shard_optim else per_node
+    return copies * staging_bytes(params, n, option, holders)
 
 
 def activation_bytes(spec: RunSpec) -> float:

@@ -137,6 +137,16 @@ def test_lost_node_resumes_from_the_replica(
 ) -> None:
     run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "lost", 1000, strategy)
     kept = max(held(nodes[0], job_id, run_dir.name)[2])  # what node A holds of node B's rank 2
+    # DDP's ranks hold the same state: each node keeps one copy, its first rank's (0 and 2), and
+    # so does the replica; FSDP's shards are every rank's own
+    job_dir, host = rundir.snapshot_job_dir(nodes[0], job_id, 0), snapshot.node_name()
+    engine_files = {
+        rank: rundir.engine_state(
+            rundir.step_dir(rundir.snapshot_rank_dir(job_dir, run_dir.name, host, rank), max(steps))
+        ).exists()
+        for rank, steps in held(nodes[0], job_id, run_dir.name).items()
+    }
+    assert engine_files == {r: strategy == "fsdp" or r % PER_NODE == 0 for r in range(WORLD)}, engine_files
     shutil.rmtree(nodes[1])  # node B is lost with its ranks' own snapshots
     row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, strategy))
     assert row["resumed_from"] == "replica" and row["first_step"] == kept >= 6, row

@@ -40,8 +40,10 @@ class TorchEngine:
         env: DistEnv,
         raw: nn.Module,
         settle_buckets: bool = False,
+        replicated: bool = False,
     ) -> None:
         self.model, self.optimizer, self.recipe, self.env, self.raw = model, optimizer, recipe, env, raw
+        self.replicated = replicated  # DDP: every rank holds the same state (a snapshot keeps one copy per node)
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None

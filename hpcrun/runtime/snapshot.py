@@ -3,7 +3,8 @@
 Every `checkpoint.memory_interval` steps each rank writes its whole training state (what a disk
 checkpoint holds: the engine's DCP state, saved with no collective so that the rank's directory
 holds all it loads, and the trainer state: step, losses, RNG streams) into node-local scratch, a
-tmpfs that outlives the training processes:
+tmpfs that outlives the training processes; where every rank's engine state is the same (DDP)
+only each node's first rank writes it, and the node's other ranks load that copy:
 `<local_scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>/<run id>/<node>/rank-NNNNN/step-N/`
 (`<node>`: SLURMD_NODENAME, so nodes stay apart even where the scratch is shared).
 It is written under a temporary name, its manifest (the sha256 of every file) written last, then
@@ -181,6 +182,14 @@ class Snapshots:
     def rank_dir(self, rank: int) -> Path:
         return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
 
+    def engine_rank(self, rank: int, engine: tp.Any) -> int:
+        """The rank whose snapshot directory holds `rank`'s engine state: its own, or where every
+        rank holds the same state (DDP, `engine.replicated`) its node's first rank's, one copy per
+        node (a restart keeps SLURM's block layout, so the same rank is first again)."""
+        if not engine.replicated:
+            return rank
+        return next(group[0] for group in nodes_ranks(self.nodes) if rank in group)
+
     def _gather(self, value: tp.Any) -> list[tp.Any]:
         if self.group is None:
             return [value]
@@ -218,7 +227,9 @@ class Snapshots:
                 self.info("snapshot transfer refused: " + "; ".join(w for w in refused if w) + "; resuming from disk")
                 return None
             path = rundir.step_dir(self.rank_dir(self.env.rank), step)
-            engine.load(rundir.engine_state(path), local=True)
+            # the node's copy: every rank's files of this step are on its own node now
+            shared = rundir.step_dir(self.rank_dir(self.engine_rank(self.env.rank, engine)), step)
+            engine.load(rundir.engine_state(shared), local=True)
             state = torch.load(rundir.trainer_state(path, self.env.rank), weights_only=True)
             ckpt.set_rng_state(state["rng"])
             return Restored(source, step, state)
@@ -290,7 +301,7 @@ class Snapshots:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
-        staged = engine.snapshot_state()
+        staged = engine.snapshot_state() if self.engine_rank(self.env.rank, engine) == self.env.rank else None
         self._pending = Future[None]()
         if self._worker is None:  # one thread for the run: starting one per snapshot held training ~1 ms more
             # a daemon: a thread stuck on a dead peer must not hold the process at exit
@@ -310,7 +321,7 @@ class Snapshots:
                 pending.set_exception(exc)
 
     def _complete(
-        self, engine: tp.Any, staged: dict[str, tp.Any], step: int, tmp: Path, state: dict[str, tp.Any]
+        self, engine: tp.Any, staged: dict[str, tp.Any] | None, step: int, tmp: Path, state: dict[str, tp.Any]
     ) -> None:
         """The background half of a save: publish, replicate, agree, prune. Never raises: a
         failed snapshot is reported and skipped (the disk checkpoint stays), and every rank still
@@ -319,7 +330,8 @@ class Snapshots:
         data, why = b"", None
         try:
             rundir.trainer_state(tmp, self.env.rank).write_bytes(ckpt.serialise(state))
-            engine.write_snapshot(staged, rundir.engine_state(tmp))
+            if staged is not None:
+                engine.write_snapshot(staged, rundir.engine_state(tmp))
             publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id)
             data = pack(final) if peer_of(self.nodes, self.env.rank) is not None else b""
         except Exception as exc:  # noqa: BLE001 - reported, and the ranks still meet below

@@ -88,4 +88,6 @@ class DDP(Strategy):
         # DDP re-lays its buckets after the first iteration only where it can (torch's Reducer: static graph, or no
         # search for unused parameters); PowerSGD counts iterations, which a throwaway pass would shift
         settle = self.comm_hook != "powersgd" and (self.static_graph or not self.find_unused_parameters)
-        return TorchEngine(ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=settle)
+        return TorchEngine(
+            ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=settle, replicated=True
+        )
