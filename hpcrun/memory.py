@@ -54,7 +54,7 @@ def snapshot_bytes(params: float, n: int, option: Option, per_node: int, nodes: 
     if not option.stages_checkpoints:
         return 0.0  # DeepSpeed keeps no snapshots
     copies = 2 * (2 if nodes > 1 else 1) + 1
-    holders = 1 if option.shard_params == "none" and not option.shard_optim else per_node
+    holders = 1 if option.one_snapshot_per_node else per_node
     return copies * staging_bytes(params, n, option, holders)
 
 

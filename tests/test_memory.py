@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing as tp
+
 import pytest
 
 from hpcrun.memory import GB, estimate, model_state_bytes, options, recommend
@@ -168,6 +170,25 @@ def test_in_memory_snapshots_count_their_host_memory(tmp_path) -> None:  # type:
     spec = plan(small, recipe, "r.yaml", "id")
     (ddp,) = estimate(spec, [spec.strategy.memory_option()])
     assert not ddp.fits and "checkpoint.memory_interval: 0" in ddp.why, ddp.why
+
+    def own(strategy: dict[str, tp.Any]):  # type: ignore[no-untyped-def]
+        """The recipe's own strategy's verdict (what `submit` checks), 2 nodes x 8."""
+        recipe = Recipe.model_validate({
+            "name": "p", "job": {"kind": "benchmark", "model": "1.3b"}, "precision": "bf16-mixed",
+            "resources": {"nodes": 2, "gpus_per_node": 8, "time": "01:00:00"}, "strategy": strategy,
+            "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
+            "checkpoint": {"asynchronous": False, "memory_interval": 10},
+        })
+        spec = plan(site, recipe, "r.yaml", "id")
+        (verdict,) = estimate(spec, [spec.strategy.memory_option()])
+        return verdict
+
+    # FSDP's no_shard lays states out as DDP does, but each of its ranks snapshots its own
+    assert own({"name": "fsdp", "sharding": "no_shard"}).snapshot_gb_per_node == pytest.approx(
+        5 * 12 * params * 8 / GB
+    )
+    assert own({"name": "ddp"}).snapshot_gb_per_node == pytest.approx(5 * 12 * params / GB)
+    assert own({"name": "deepspeed", "stage": 0}).snapshot_gb_per_node == 0  # DeepSpeed keeps none
 
 
 def test_cpu_ranks_and_staging_share_the_node_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -43,7 +43,7 @@ class TorchEngine:
         replicated: bool = False,
     ) -> None:
         self.model, self.optimizer, self.recipe, self.env, self.raw = model, optimizer, recipe, env, raw
-        self.replicated = replicated  # DDP: every rank holds the same state (a snapshot keeps one copy per node)
+        self.replicated = replicated  # every rank holds the same state: a snapshot keeps one copy per node (Option)
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
@@ -142,16 +142,20 @@ class TorchEngine:
             async_stager=self._stager,
         )  # type: ignore[return-value]
 
-    def snapshot_state(self) -> dict[str, tp.Any]:
+    def snapshot_state(self, keep: bool = True) -> dict[str, tp.Any] | None:
         """This rank's state for an in-memory snapshot (hpcrun.runtime.snapshot), copied into host
         buffers reused from snapshot to snapshot: once this returns training may change the
         state, and the copy stays as it is until the next snapshot, which starts only after the
         previous one is written. Plain tensors are copied one `copy_` each (DCP's DefaultStager
         took ~3 ms for the built-in tiny model's 112 tensors, the snapshot's whole stall budget);
-        FSDP's ShardedTensors go through the stager of a disk save."""
+        FSDP's ShardedTensors go through the stager of a disk save. Without `keep` (another rank
+        keeps this node's copy) nothing is copied, but the state is still taken: torch's
+        get_state_dict gives an optimizer with no state yet a zero step, which every rank must take."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         state = self._state()
+        if not keep:
+            return None
         if isinstance(self.model, FullyShardedDataParallel):
             if self._snapshot_stager is None:
                 self._snapshot_stager = checkpoint.host_stager(sharded_tensors=True)

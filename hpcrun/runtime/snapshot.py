@@ -186,7 +186,7 @@ class Snapshots:
         """The rank whose snapshot directory holds `rank`'s engine state: its own, or where every
         rank holds the same state (DDP, `engine.replicated`) its node's first rank's, one copy per
         node (a restart keeps SLURM's block layout, so the same rank is first again)."""
-        if not engine.replicated:
+        if not getattr(engine, "replicated", False):  # an engine that does not say keeps its own
             return rank
         return next(group[0] for group in nodes_ranks(self.nodes) if rank in group)
 
@@ -223,12 +223,17 @@ class Snapshots:
                 continue
             source = "memory" if all(self.nodes[h] == self.nodes[r] for r, h in plan.items()) else "replica"
             refused = self._gather(self._fetch(step, plan))
+            # after that gather every rank's files of this step are on its own node, its node's
+            # first rank's too (the engine state of a rank that keeps none, DDP's)
+            shared = rundir.step_dir(self.rank_dir(self.engine_rank(self.env.rank, engine)), step)
+            if not any(refused):
+                missing = None if rundir.engine_state(shared).exists() else f"{shared}: no engine state"
+                refused = self._gather(missing)
             if any(refused):
-                self.info("snapshot transfer refused: " + "; ".join(w for w in refused if w) + "; resuming from disk")
+                why = "; ".join(w for w in refused if w)
+                self.info(f"snapshot of step {step} not usable: {why}; resuming from disk")
                 return None
             path = rundir.step_dir(self.rank_dir(self.env.rank), step)
-            # the node's copy: every rank's files of this step are on its own node now
-            shared = rundir.step_dir(self.rank_dir(self.engine_rank(self.env.rank, engine)), step)
             engine.load(rundir.engine_state(shared), local=True)
             state = torch.load(rundir.trainer_state(path, self.env.rank), weights_only=True)
             ckpt.set_rng_state(state["rng"])
@@ -301,7 +306,7 @@ class Snapshots:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
-        staged = engine.snapshot_state() if self.engine_rank(self.env.rank, engine) == self.env.rank else None
+        staged = engine.snapshot_state(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
         self._pending = Future[None]()
         if self._worker is None:  # one thread for the run: starting one per snapshot held training ~1 ms more
             # a daemon: a thread stuck on a dead peer must not hold the process at exit

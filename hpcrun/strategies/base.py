@@ -31,6 +31,8 @@ class Option:
     order: int  # planner preference: less communication and data movement first
     offload: str = "none"  # where optimizer states (and, for ZeRO-3, weights) live: none | cpu | nvme
     stages_checkpoints: bool = True  # an asynchronous save copies the rank's state into host memory first
+    # every rank holds the same state (DDP): an in-memory snapshot keeps one copy per node, not per rank
+    one_snapshot_per_node: bool = False
     # the library's own estimator of model-state memory, (host bytes per node, GPU bytes) from
     # (parameters, largest layer, ranks per node, nodes), where it has one
     library_estimate: tp.Callable[[int, int, int, int], tuple[float, float]] | None = dataclasses.field(

@@ -13,7 +13,7 @@ if tp.TYPE_CHECKING:
     from hpcrun.site import Partition, Site
     from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
-REPLICATED = Option("ddp", {"name": "ddp"}, "none", False, False, order=0)
+REPLICATED = Option("ddp", {"name": "ddp"}, "none", False, False, order=0, one_snapshot_per_node=True)
 
 
 class DDP(Strategy):
@@ -89,5 +89,6 @@ class DDP(Strategy):
         # search for unused parameters); PowerSGD counts iterations, which a throwaway pass would shift
         settle = self.comm_hook != "powersgd" and (self.static_graph or not self.find_unused_parameters)
         return TorchEngine(
-            ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=settle, replicated=True
+            ddp, make_optimizer(ddp.parameters()), recipe, env, model, settle_buckets=settle,
+            replicated=self.memory_option().one_snapshot_per_node,
         )

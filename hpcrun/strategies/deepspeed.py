@@ -3,6 +3,7 @@ NVMe (ZeRO-Infinity). The engine owns accumulation, clipping, loss scaling and i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing as tp
 from pathlib import Path
@@ -42,6 +43,8 @@ def library_estimate(
     return estimate
 
 
+# ZeRO stage 0 lays states out as DDP does; DeepSpeed's own saves stage nothing and it keeps no snapshots
+STAGE0 = dataclasses.replace(REPLICATED, stages_checkpoints=False, one_snapshot_per_node=False)
 OPTIONS = {
     "zero1": Option("zero1", {"name": "deepspeed", "stage": 1}, "none", False, True, order=1, stages_checkpoints=False),
     "zero2": Option(
@@ -128,7 +131,7 @@ class DeepSpeed(Strategy):
         )
         if offload and self.stage == 3:
             return OPTIONS[f"zero3-{offload}"]
-        return REPLICATED if self.stage == 0 else OPTIONS[f"zero{self.stage}"]
+        return STAGE0 if self.stage == 0 else OPTIONS[f"zero{self.stage}"]
 
     def result_columns(self) -> dict[str, tp.Any]:
         return {

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import typing as tp
 
@@ -20,7 +21,8 @@ OPTIONS = {
     "grad_op": Option("fsdp-grad_op", {"name": "fsdp", "sharding": "grad_op"}, "none", True, True, order=3),
     "hybrid": Option("fsdp-hybrid", {"name": "fsdp", "sharding": "hybrid"}, "node", True, True, order=4),
     "full": Option("fsdp-full", {"name": "fsdp", "sharding": "full"}, "all", True, True, order=5),
-    "no_shard": REPLICATED,
+    # DDP's layout, but every FSDP rank snapshots its own state
+    "no_shard": dataclasses.replace(REPLICATED, one_snapshot_per_node=False),
 }
 
 
@@ -106,7 +108,10 @@ class FSDP(Strategy):
             param_init_fn=param_init,
             use_orig_params=True,
         )
-        return TorchEngine(wrapped, make_optimizer(wrapped.parameters()), recipe, env, model)
+        return TorchEngine(
+            wrapped, make_optimizer(wrapped.parameters()), recipe, env, model,
+            replicated=self.memory_option().one_snapshot_per_node,
+        )
 
 
 def _materialise(module: nn.Module, device: device, init: tp.Callable[[nn.Module], None] | None) -> None:
