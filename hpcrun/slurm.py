@@ -11,6 +11,7 @@ import os
 import pwd
 import re
 import shutil
+import socket
 import subprocess
 import typing as tp
 from pathlib import Path
@@ -61,6 +62,12 @@ def job_id(environ: tp.Mapping[str, str]) -> str:
     spelling: the ranks, the failure step and requeue all use it."""
     array = environ.get("SLURM_ARRAY_JOB_ID")
     return f"{array}_{environ['SLURM_ARRAY_TASK_ID']}" if array else environ["SLURM_JOB_ID"]
+
+
+def node_name(environ: tp.Mapping[str, str]) -> str:
+    """This node's name as SLURM knows it (SLURMD_NODENAME, as srun names nodes; the test cluster's
+    nodes share one hostname), the hostname outside SLURM."""
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def requeue_count(environ: tp.Mapping[str, str]) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrun import rundir
+from hpcrun import rundir, slurm
 from hpcrun.backend import prepare
 from hpcrun.plan import plan
 from hpcrun.recipe import load_recipe
@@ -75,7 +75,7 @@ def held(node: Path, job_id: str, run_id: str) -> dict[int, list[int]]:
     job_dir = rundir.snapshot_job_dir(node, job_id, 0)
     return {
         rank: sorted(s for s, p in rundir.step_dirs(path).items() if rundir.manifest(p).exists())
-        for rank, path in rundir.snapshot_ranks(job_dir, run_id, snapshot.node_name()).items()
+        for rank, path in rundir.snapshot_ranks(job_dir, run_id, slurm.node_name(os.environ)).items()
     }
 
 
@@ -139,7 +139,7 @@ def test_lost_node_resumes_from_the_replica(
     kept = max(held(nodes[0], job_id, run_dir.name)[2])  # what node A holds of node B's rank 2
     # DDP's ranks hold the same state: each node keeps one copy, its first rank's (0 and 2), and
     # so does the replica; FSDP's shards are every rank's own
-    job_dir, host = rundir.snapshot_job_dir(nodes[0], job_id, 0), snapshot.node_name()
+    job_dir, host = rundir.snapshot_job_dir(nodes[0], job_id, 0), slurm.node_name(os.environ)
     engine_files = {
         rank: rundir.engine_state(
             rundir.step_dir(rundir.snapshot_rank_dir(job_dir, run_dir.name, host, rank), max(steps))
@@ -158,7 +158,7 @@ def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.
     has lost its manifest: no node has a whole copy, so that step is not used and the run resumes
     from the older disk checkpoint (every 5 steps), although every other rank's copies are intact."""
     run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "torn", 5, "ddp")
-    host = snapshot.node_name()
+    host = slurm.node_name(os.environ)
     own = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[0], job_id, 0), run_dir.name, host, 1)
     replica = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(nodes[1], job_id, 0), run_dir.name, host, 1)
     newest = max(held(nodes[0], job_id, run_dir.name)[1])

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import typing as tp
 
+from hpcrun import slurm
 from hpcrun.rundir import RunDir, replace_whole
 
 HEARTBEAT_S = 5.0  # at most one heartbeat write per rank this often (shared filesystems) ...
@@ -35,8 +35,7 @@ def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, step
     """This rank's last step (`stepped`: when, unix time) and that this process still runs."""
     path = run_dir.heartbeat(job_id, restart, rank)
     path.parent.mkdir(exist_ok=True)
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # SLURM's name for the node, as srun says it
-    beat = {"rank": rank, "host": host, "step": step, "stepped": stepped, "alive": time.time()}
+    beat = {"rank": rank, "host": slurm.node_name(os.environ), "step": step, "stepped": stepped, "alive": time.time()}
     replace_whole(path, json.dumps(beat))  # a heartbeat lost to a crash says what a stale one says
 
 

@@ -31,7 +31,6 @@ import os
 import pickle
 import queue
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrun import rundir
+from hpcrun import rundir, slurm
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.env import DistEnv
 
@@ -55,11 +54,6 @@ class Restored:
     source: str
     step: int
     state: dict[str, tp.Any]
-
-
-def node_name() -> str:
-    """This node's name as SLURM knows it (the test cluster's nodes share one hostname)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -163,7 +157,7 @@ class Snapshots:
         self.env, self.run_id = env, run_id
         # SLURM's requeue count, not hpcrun's attempt number: a restart inside the job finds the same directory
         self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.requeues)
-        self.host = node_name()
+        self.host = slurm.node_name(os.environ)
         self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
         distributed = dist.is_initialized() and env.world_size > 1
         # a group of its own: the background thread's sends and all-reduce never interleave with training's

@@ -13,7 +13,6 @@ import datetime as dt
 import math
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ import typing as tp
 import torch
 import torch.distributed as dist
 
-from hpcrun import progress
+from hpcrun import progress, slurm
 from hpcrun import steps as dataset
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json
@@ -145,7 +144,7 @@ class StepRecorder:
         self.stragglers: Stragglers | None = None
         if self.probing and factor:
             nodes: list[tp.Any] = [None] * ctx.env.world_size
-            dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+            dist.all_gather_object(nodes, slurm.node_name(os.environ))
             self.stragglers = Stragglers(factor, [str(n) for n in nodes]) if ctx.env.is_main else None
         if ctx.env.is_main:
             self.writer = Writer()
