@@ -143,14 +143,24 @@ def test_in_memory_snapshots_count_their_host_memory(tmp_path) -> None:  # type:
     `memory_interval: 0` frees it."""
     site = with_node_memory(tmp_path, "mycluster", "gpu", 1024)
 
-    def verdicts(nodes: int, interval: int):  # type: ignore[no-untyped-def]
+    def planned(nodes: int, interval: int, strategy: dict[str, tp.Any] | None = None):  # type: ignore[no-untyped-def]
         recipe = Recipe.model_validate({
             "name": "p", "job": {"kind": "benchmark", "model": "1.3b"}, "precision": "bf16-mixed",
             "resources": {"nodes": nodes, "gpus_per_node": 8, "time": "01:00:00"},
             "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
             "checkpoint": {"asynchronous": False, "memory_interval": interval},
+            **({"strategy": strategy} if strategy else {}),
         })
-        return {e.option.name: e for e in estimate(plan(site, recipe, "r.yaml", "id"))}
+        return plan(site, recipe, "r.yaml", "id")
+
+    def verdicts(nodes: int, interval: int):  # type: ignore[no-untyped-def]
+        return {e.option.name: e for e in estimate(planned(nodes, interval))}
+
+    def own(strategy: dict[str, tp.Any]):  # type: ignore[no-untyped-def]
+        """The recipe's own strategy's verdict (what `submit` checks), 2 nodes x 8."""
+        spec = planned(2, 10, strategy)
+        (verdict,) = estimate(spec, [spec.strategy.memory_option()])
+        return verdict
 
     params = SIZES["1.3b"].parameters(2048)
     two = verdicts(2, 10)
@@ -170,18 +180,6 @@ def test_in_memory_snapshots_count_their_host_memory(tmp_path) -> None:  # type:
     spec = plan(small, recipe, "r.yaml", "id")
     (ddp,) = estimate(spec, [spec.strategy.memory_option()])
     assert not ddp.fits and "checkpoint.memory_interval: 0" in ddp.why, ddp.why
-
-    def own(strategy: dict[str, tp.Any]):  # type: ignore[no-untyped-def]
-        """The recipe's own strategy's verdict (what `submit` checks), 2 nodes x 8."""
-        recipe = Recipe.model_validate({
-            "name": "p", "job": {"kind": "benchmark", "model": "1.3b"}, "precision": "bf16-mixed",
-            "resources": {"nodes": 2, "gpus_per_node": 8, "time": "01:00:00"}, "strategy": strategy,
-            "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": True},
-            "checkpoint": {"asynchronous": False, "memory_interval": 10},
-        })
-        spec = plan(site, recipe, "r.yaml", "id")
-        (verdict,) = estimate(spec, [spec.strategy.memory_option()])
-        return verdict
 
     # FSDP's no_shard lays states out as DDP does, but each of its ranks snapshots its own
     assert own({"name": "fsdp", "sharding": "no_shard"}).snapshot_gb_per_node == pytest.approx(
