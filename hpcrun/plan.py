@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pydantic
 
+from hpcrun.cadence import Policy
 from hpcrun.errors import HpcrunError
 from hpcrun.fields import format_minutes
 from hpcrun.loader import Frozen
@@ -89,8 +90,22 @@ class RunSpec(Frozen):
         DeepSpeed's engine keeps none (its ranks say so and use disk only)."""
         recipe = self.recipe
         asked = self.scheduler == "slurm" or "memory_interval" in recipe.checkpoint.model_fields_set
-        return bool(asked and recipe.checkpoint.memory_interval and recipe.fault.restarts_in_job
+        return bool(asked and recipe.checkpoint.memory_interval != 0 and recipe.fault.restarts_in_job
                     and recipe.job.kind != "command")
+
+    @property
+    def mtbf_s(self) -> float:
+        """The job's expected time between failures: the recipe's, else its nodes' together
+        (a failure of any node stops the job)."""
+        hours = self.recipe.fault.mtbf_hours or self.partition_spec.node_mtbf_hours / self.allocated_nodes
+        return hours * 3600
+
+    def cadence(self, kind: tp.Literal["checkpoint", "snapshot"]) -> Policy:
+        """How this run spaces its disk checkpoints or its in-memory snapshots (hpcrun.cadence)."""
+        ckpt = self.recipe.checkpoint
+        steps, max_min = (ckpt.interval, ckpt.max_minutes) if kind == "checkpoint" else (
+            ckpt.memory_interval, ckpt.memory_max_minutes)
+        return Policy(kind, steps, ckpt.overhead, self.mtbf_s, max_min * 60)
 
     @property
     def spare_nodes(self) -> int:

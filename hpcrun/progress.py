@@ -34,6 +34,8 @@ class Progress:
     step_time_s: float | None = None
     eta_s: float | None = None
     checkpoint_step: int | None = None
+    saves: tuple[str, ...] = ()
+    """How the attempt spaces its checkpoints and snapshots and what they cost, a line each (hpcrun.cadence)."""
 
     @property
     def percent(self) -> float | None:
@@ -72,6 +74,10 @@ def parse(path: Path, value: tp.Any) -> Progress:
             fields[name] = float(got)
     if value.get("job_id") is not None:
         fields["job_id"] = str(value["job_id"])
+    saves = value.get("saves") or []
+    if not isinstance(saves, list) or not all(isinstance(line, str) for line in saves):
+        raise CorruptStateError(path, f"field 'saves' is not a list of lines (got {saves!r})")
+    fields["saves"] = tuple(saves)
     return Progress(**fields)
 
 
@@ -85,13 +91,14 @@ def write(
     job_id: str,
     restart_count: int,
     checkpoint_step: int | None,
+    saves: tp.Sequence[str] = (),
 ) -> None:
     """progress.json as the job writes it (the built-in loop and a command's reported steps):
-    the newest step, its rate and the time left at that rate."""
+    the newest step, its rate and the time left at that rate, and how saves are spaced."""
     write_json(path, {
         "step": step, "total": total, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
         "eta_s": (total - step) * step_time_s if total and step_time_s is not None else None, "updated": time.time(),
-        "job_id": job_id, "restart_count": restart_count, "checkpoint_step": checkpoint_step,
+        "job_id": job_id, "restart_count": restart_count, "checkpoint_step": checkpoint_step, "saves": list(saves),
     })
 
 

@@ -94,12 +94,15 @@ class Training(Frozen):
     log_interval: int = pydantic.Field(default=10, ge=1)
 
 
-# measured on the built-in benchmark (2 CPU ranks, --site local): see hpcrun.runtime.snapshot
-MEMORY_INTERVAL = 25
-
-
 class Checkpoint(Frozen):
-    interval: int = pydantic.Field(default=50, ge=1)
+    """Disk checkpoints (durable: requeues and new jobs resume from them) and in-memory snapshots
+    (a restart inside the job resumes from them). Both are spaced by time unless the recipe gives
+    a step count: from their measured cost, the job's expected time between failures
+    (`fault.mtbf_hours`) and `overhead` (hpcrun.cadence; `hpcrun plan` and `status` say what was chosen)."""
+
+    interval: int | None = pydantic.Field(default=None, ge=1)
+    """Every how many steps to write a disk checkpoint. None: by time (hpcrun.cadence), at most
+    `max_minutes` apart. The last step and a stop for a signal are always saved."""
     keep: int = 2
     max_requeues: int = pydantic.Field(default=3, ge=0, le=4)
     signal_lead_s: int | None = pydantic.Field(default=None, ge=10)
@@ -107,11 +110,20 @@ class Checkpoint(Frozen):
     # DDP/FSDP: write in the background; training stalls only for a copy of the rank's state into
     # host buffers (as much host memory again, for the run); DeepSpeed always writes synchronously
     asynchronous: bool = True
-    memory_interval: int = pydantic.Field(default=MEMORY_INTERVAL, ge=0)
+    memory_interval: int | None = pydantic.Field(default=None, ge=0)
     """Every how many steps each rank snapshots its whole training state into node-local memory
     (the site's `storage.local_scratch`) and copies it to a rank on another node, for a restart
-    inside the job (hpcrun.runtime.snapshot); requeues and new jobs resume from disk. 0: off.
-    DDP and FSDP; DeepSpeed saves to disk only."""
+    inside the job (hpcrun.runtime.snapshot); requeues and new jobs resume from disk. None: by
+    time (hpcrun.cadence), at most `memory_max_minutes` apart; 0: off. A snapshot due while the
+    previous one is still being written or sent is skipped, never waited for. DDP and FSDP;
+    DeepSpeed saves to disk only."""
+    overhead: float = pydantic.Field(default=0.01, gt=0, le=0.5)
+    """The most of the wall time disk checkpoints may take, and in-memory snapshots apart: each is
+    spaced at least its measured cost divided by this (the stall and the slower steps beside it)."""
+    max_minutes: float = pydantic.Field(default=30.0, gt=0)
+    """The longest time between disk checkpoints spaced by time, when their cost allows it."""
+    memory_max_minutes: float = pydantic.Field(default=5.0, gt=0)
+    """The longest time between in-memory snapshots spaced by time, when their cost allows it."""
 
     @pydantic.field_validator("keep")
     @classmethod
@@ -158,6 +170,9 @@ class Fault(Frozen):
     requeue. 0: every failure requeues (through the queue). Stops for a signal always requeue. A
     restart costs seconds; a long job meets several faults, and the same-crash rule, not this cap,
     is what stops a crash loop (`checkpoint.max_requeues` still bounds the run)."""
+    mtbf_hours: float | None = pydantic.Field(default=None, gt=0)
+    """The job's expected time between failures, which spaces checkpoints and snapshots
+    (hpcrun.cadence). None: the partition's `node_mtbf_hours` divided by the job's nodes."""
     exclude_failed_nodes: bool = True
     """A requeued job avoids nodes that failed during this run, while the partition has enough."""
     straggler_factor: float | None = pydantic.Field(default=2.0, gt=1)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pydantic
 
+from hpcrun.cadence import NODE_MTBF_HOURS
 from hpcrun.errors import HpcrunError
 from hpcrun.fields import TOKEN_RE, Cpus, EnvName, HostPart, Line, Minutes, Name, PathStr, Token
 from hpcrun.loader import Frozen, read_yaml, validate
@@ -50,6 +51,9 @@ class Partition(Frozen):
     gpu_request: str = "--gres=gpu:{n}"
     constraint: Token | None = None
     cpu_peak_tflops_per_rank: float | None = pydantic.Field(default=None, gt=0)
+    node_mtbf_hours: float = pydantic.Field(default=NODE_MTBF_HOURS, gt=0)
+    """One node's expected time between interruptions (hardware, software, network): with the
+    job's node count it spaces checkpoints and snapshots (hpcrun.cadence)."""
 
     @pydantic.field_validator("gpu_request")
     @classmethod

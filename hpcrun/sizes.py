@@ -12,6 +12,13 @@ class GPTSize:
     hidden: int
     heads: int
     vocab: int = 50304  # GPT-2's vocabulary padded to a multiple of 128 for tensor cores
+    ballast_mb: int = 0
+    """Frozen fp32 state (MiB per model) that every checkpoint and snapshot carries but no step
+    computes with: a CPU stand-in for a GPU's ratio of state bytes to step time (`heavy`)."""
+
+    @property
+    def ballast_elements(self) -> int:
+        return self.ballast_mb * 2**20 // 4
 
     def parameters(self, seq_len: int) -> int:
         """Parameter count with tied embeddings: 12·L·H² for the blocks (+ biases and norms),
@@ -28,6 +35,9 @@ class GPTSize:
 SIZES: dict[str, GPTSize] = {
     "tiny": GPTSize(layers=2, hidden=64, heads=4, vocab=512),
     "small": GPTSize(layers=4, hidden=256, heads=4, vocab=8192),
+    # `small`'s steps with half a GiB more state per model replica: a snapshot's copy takes several
+    # steps, as a 15 GB state's does at a GPU's 0.13 s step (benchmarks/recovery_cost.py)
+    "heavy": GPTSize(layers=4, hidden=256, heads=4, vocab=8192, ballast_mb=512),
     "125m": GPTSize(layers=12, hidden=768, heads=12),
     "350m": GPTSize(layers=24, hidden=1024, heads=16),
     "760m": GPTSize(layers=24, hidden=1536, heads=16),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -173,6 +174,25 @@ def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.
     assert "not used" in (run_dir / "rank1.log").read_text() + (run_dir / "rank0.log").read_text()
 
 
+def test_a_step_written_by_two_attempts_is_never_mixed(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 0's newest snapshot, both copies, says a later attempt wrote it (as when a restart
+    wrote that step again on some ranks before it died): the other ranks' copies of the same step
+    are another attempt's, so no attempt has the whole set and the run resumes from disk."""
+    run_dir, nodes, job_id = killed_after_snapshot(tmp_path, "attempts", 5, "ddp")
+    host = slurm.node_name(os.environ)
+    newest = max(held(nodes[0], job_id, run_dir.name)[0])
+    for node in nodes:
+        rank_dir = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(node, job_id, 0), run_dir.name, host, 0)
+        path = rundir.manifest(rundir.step_dir(rank_dir, newest))
+        manifest = json.loads(path.read_text())
+        assert manifest["attempt"] == 0, manifest
+        path.write_text(json.dumps({**manifest, "attempt": 3}))
+    disk = max(rundir.step_dirs(run_dir / "checkpoints"))
+    assert newest > disk, f"the disk checkpoint ({disk}) is newer than the snapshot ({newest}) anyway"
+    row = resumed(tmp_path, run_dir, nodes, job_id, baseline(tmp_path_factory, "ddp"))
+    assert row["resumed_from"] == "disk" and row["first_step"] == disk, row
+
+
 def test_verify_refuses_what_differs_from_the_manifest(tmp_path: Path) -> None:
     step = tmp_path / "step"
     (step / "state").mkdir(parents=True)
@@ -207,6 +227,10 @@ def test_local_run_with_snapshots_finishes_identically(tmp_path: Path) -> None:
         job_id = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
         assert not rundir.snapshot_job_dir("/dev/shm", job_id, 0).exists()
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
-    # steps 2, 4, 6, 8 (10 saves to disk, 12 is the end)
-    assert "in-memory snapshots: 4," in logs and ", 0 failed" in logs, logs
+    # due at steps 2, 4, 6, 8 (10 saves to disk, 12 is the end): each taken, or skipped while the one
+    # before was still in flight (never waited for)
+    taken = re.search(r"in-memory snapshots: (\d+),.*, 0 failed", logs)
+    skipped = re.search(r"snapshots every 2 steps .*?(?:, (\d+) skipped|$)", logs, re.M)
+    assert taken and skipped, logs
+    assert int(taken[1]) >= 1 and int(taken[1]) + int(skipped[1] or 0) == 4, logs
     assert digests[0] == digests[2]

@@ -3,12 +3,17 @@ anything is sent."""
 
 from __future__ import annotations
 
+import typing as tp
 from pathlib import Path
 
 import click
 
 from hpcrun.cli.options import site_option
 from hpcrun.errors import HpcrunError
+
+if tp.TYPE_CHECKING:
+    from hpcrun.plan import RunSpec
+    from hpcrun.strategies import Option
 
 
 @click.command()
@@ -96,6 +101,24 @@ def plan_command(site_name: str, recipe: Path) -> None:
     click.echo(tabulate(table, headers=headers, tablefmt="simple"))
     best, why = recommend(rows)
     click.echo(f"recommended: {why}" if best else why)
+    for line in saves(spec, [e.option for e in rows]):
+        click.echo(line)
+
+
+def saves(spec: RunSpec, options: list[Option]) -> list[str]:
+    """How the run will space its checkpoints and snapshots, from a cost estimated by the size of
+    a rank's state (the job decides again from what it measures: `hpcrun status RUN`)."""
+    from hpcrun.cadence import estimated_cost_s
+    from hpcrun.memory import staging_bytes
+
+    assert spec.size is not None, "the planner knows the built-in model only"
+    fields = spec.strategy.model_dump()
+    own = next((o for o in options if all(fields.get(k) == v for k, v in o.recipe.items())), None)
+    params = spec.size.parameters(spec.recipe.training.seq_len)
+    state = staging_bytes(params, spec.world_size, own, 1) if own and own.stages_checkpoints else 12 * params
+    kinds: list[tp.Literal["checkpoint", "snapshot"]] = ["checkpoint", "snapshot"] if spec.takes_snapshots else [
+        "checkpoint"]
+    return [spec.cadence(kind).explain(estimated_cost_s(kind, state), measured=False) for kind in kinds]
 
 
 COMMANDS = [render, validate, plan_command]

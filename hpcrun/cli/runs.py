@@ -68,6 +68,8 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
             f"{r.restarts:>8} {r.in_job:>6}"
         )
         lines.append(f"{scheduled} {step:>13} {percent:>4} {tokens:>6} {eta:>8} {ckpt:>6}  {r.reason}".rstrip())
+    if len(rows) == 1 and rows[0].progress:  # one run: how its saves are spaced, and why
+        lines += [f"  {line}" for line in rows[0].progress.saves]
     click.echo("\n".join(lines))
     click.echo(f"(from {', '.join(sources)})", err=True)
 

@@ -102,10 +102,12 @@ def copy_into(source: tp.Any, buffers: tp.Any) -> tp.Any:
     """A copy of a state dict into host memory that reuses `buffers` (the previous copy's)
     wherever a tensor's shape and dtype are unchanged; other values are copied anew."""
     if isinstance(source, torch.Tensor):
+        # from a GPU into pinned buffers: non-blocking, ordered on the caller's stream
+        pinned = source.device.type == "cuda"
         if isinstance(buffers, torch.Tensor) and buffers.shape == source.shape and buffers.dtype == source.dtype:
-            return buffers.copy_(source.detach())
-        host = torch.empty_like(source, device="cpu", pin_memory=torch.cuda.is_available())
-        return host.copy_(source.detach())
+            return buffers.copy_(source.detach(), non_blocking=pinned)
+        host = torch.empty_like(source, device="cpu", pin_memory=pinned)
+        return host.copy_(source.detach(), non_blocking=pinned)
     if isinstance(source, dict):
         old = buffers if isinstance(buffers, dict) else {}
         return {key: copy_into(value, old.get(key)) for key, value in source.items()}
@@ -195,6 +197,11 @@ class Checkpoints:
         if block or pending.future is None:
             self.wait()
         return time.perf_counter() - start
+
+    @property
+    def busy(self) -> bool:
+        """Whether a save is still being written (as of the last `poll`)."""
+        return self._pending is not None
 
     def poll(self) -> None:
         """Between steps, no collective: make a finished background save visible. A failed one

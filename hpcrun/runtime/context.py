@@ -22,9 +22,10 @@ from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
 from hpcrun.rundir import RunDir, local_scratch, nvme_job_dir
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import snapshot
+from hpcrun.runtime import schedule, snapshot
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
+from hpcrun.runtime.schedule import SaveSchedule
 from hpcrun.runtime.steps import StepRecorder
 from hpcrun.runtime.watchdog import Watchdog
 from hpcrun.signals import SignalFlag
@@ -45,7 +46,9 @@ class Context:
             self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous
         )
         self.snapshots = (
-            snapshot.Snapshots(local_scratch(spec.local_scratch), spec.run_id, env)
+            snapshot.Snapshots(
+                local_scratch(spec.local_scratch), spec.run_id, env, spec.recipe.fault.collective_timeout_s
+            )
             if spec.takes_snapshots
             else None
         )
@@ -62,6 +65,7 @@ class Context:
         # the training thread's time in each part of hpcrun's per-step work, saves apart
         self.own_s = dict.fromkeys(("stop vote", "checkpoint poll", "metrics", "watchdog"), 0.0)
         self.vote = StopVote(env, flag)
+        self.cadence: list[SaveSchedule] = []  # how this attempt spaces its saves (`steps`)
         # run once the attempt's results row and state.json are written (a function job's result
         # pickle: whoever sees the result finds the run's record already there)
         self.when_recorded: list[tp.Callable[[], None]] = []
@@ -105,14 +109,16 @@ class Context:
 
     def steps(self) -> tp.Iterator[int]:
         """Step numbers from where this run left off. Between steps: the step's metrics
-        (hpcrun.runtime.steps), periodic checkpoints, and the collective decision to stop on a
-        signal (checkpoint, then leave the loop)."""
-        total, interval = self.recipe.training.steps, self.recipe.checkpoint.interval
+        (hpcrun.runtime.steps), disk checkpoints and in-memory snapshots when their cadence
+        (hpcrun.runtime.schedule) says, and the collective decision to stop on a signal
+        (checkpoint, then leave the loop)."""
+        total = self.recipe.training.steps
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env
         watchdog = Watchdog(
             self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
         )
+        disk, memory = self.schedules()
         try:
             for step in range(self.start_step, total):
                 self.step = step
@@ -128,7 +134,9 @@ class Context:
                 parts.append(time.perf_counter())
                 self.checkpoints.poll()
                 parts.append(time.perf_counter())
-                saving = done % interval == 0 or done == total or bool(stop)
+                saving = done == total or bool(stop)
+                periodic = not saving and disk.due(done, self.start_step) and disk.decide(done, self.checkpoints.busy)
+                saving = saving or periodic
                 loss = self.measured.losses[-1] if len(self.measured.losses) > recorded else None
                 recorder.record(done, parts[-1] - start, loss, self.step_metrics)
                 if flush or saving:  # every checkpointed step is in the steps table before its checkpoint
@@ -140,12 +148,18 @@ class Context:
                 parts.append(time.perf_counter())
                 for part, began, ended in zip(self.own_s, parts, parts[1:]):
                     self.own_s[part] += ended - began
+                snapshot_busy, disk_busy = bool(self.snapshots and self.snapshots.busy), self.checkpoints.busy
+                disk.observe(self.measured.step_times[-1], disk_busy, disk_busy or snapshot_busy)
+                if memory:
+                    memory.observe(self.measured.step_times[-1], snapshot_busy, disk_busy or snapshot_busy)
                 if saving:
                     with watchdog.saving():  # a long save is not a hang
-                        self.save(done, block=done == total or bool(stop))
-                elif self.snapshots and done % self.recipe.checkpoint.memory_interval == 0:
+                        stall = self.save(done, block=done == total or bool(stop))
+                    if periodic:
+                        disk.started(stall)
+                elif memory and memory.due(done, self.start_step) and memory.decide(done, snapshot_busy):
                     with watchdog.saving():
-                        self.snapshot(done)
+                        memory.started(self.snapshot(done))
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
                     self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
@@ -166,13 +180,41 @@ class Context:
                         f"training thread ({100 * sum(stalls) / stepped:.3f}% of step time), "
                         f"{self.snapshots.failures} failed"
                     )
+                saves = "".join(f"; {line}" for line in self.cadence_lines())
                 self.info(
                     f"hpcrun's per-step work: {own * 1e3:.1f} ms on the training thread "
                     f"over {len(self.measured.step_times)} steps "
                     f"({100 * own / stepped:.3f}% of step time: {shares}); "
                     f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)"
-                    + snapshots
+                    + snapshots + saves
                 )
+
+    def schedules(self) -> tuple[SaveSchedule, SaveSchedule | None]:
+        """The cadence of disk checkpoints (a save due waits for the one before) and, when this
+        rank keeps them, of in-memory snapshots (one due while the last is in flight is skipped)."""
+        def measured() -> float:
+            return schedule.state_bytes(self.engine)
+
+        disk = SaveSchedule(self.spec.cadence("checkpoint"), self.env, skips=False, state_bytes=measured)
+        memory = (
+            SaveSchedule(self.spec.cadence("snapshot"), self.env, skips=True, state_bytes=measured)
+            if self.snapshots else None
+        )
+        self.cadence = [s for s in (disk, memory) if s is not None]
+        return disk, memory
+
+    def cadence_lines(self) -> list[str]:
+        """How saves are spaced in this attempt, and what they cost (progress.json, the log)."""
+        lines = []
+        for kind in self.cadence:
+            line = kind.explanation
+            if kind.costs:
+                line += f"; {len(kind.costs)} measured at {sum(kind.costs) / len(kind.costs):.2f} s each"
+            if kind.skipped:
+                line += f", {kind.skipped} skipped (the one before still in flight)"
+            if line:
+                lines.append(line)
+        return lines
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks
@@ -184,18 +226,20 @@ class Context:
             local = (t / self.world_size).tolist()
         return self.restored_losses + list(local)
 
-    def save(self, step: int, block: bool) -> None:
+    def save(self, step: int, block: bool) -> float:
+        """A disk checkpoint of `step`; returns the seconds training was held."""
         state = {"step": step, "losses": self.global_losses()}
         self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
+        return self.measured.checkpoint_saves[-1]
 
-    def snapshot(self, step: int) -> None:
+    def snapshot(self, step: int) -> float:
         """An in-memory snapshot of `step` (hpcrun.runtime.snapshot) with the trainer state a
         checkpoint holds (its losses as this rank's own of this attempt, after the earlier ones)."""
         assert self.snapshots is not None
         # this rank's own losses: their mean over ranks (global_losses) is taken at the restore, so
         # that a snapshot waits for no other rank
         state = {"step": step, "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
-        self.snapshots.save(self.engine, step, state)
+        return self.snapshots.save(self.engine, step, state)
 
     def close_snapshots(self, status: str) -> None:
         """At the attempt's end: wait for the snapshot in flight; remove this run's snapshots once

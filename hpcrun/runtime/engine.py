@@ -51,6 +51,10 @@ class TorchEngine:
         self._stager: AsyncStager | None = None
         self._snapshot_stager: AsyncStager | None = None
         self._snapshot_buffers: tp.Any = None
+        # CUDA: snapshots copy to host on a stream of their own, beside the next step's forward and
+        # backward; the optimizer step (the first to change the state) waits for the copy
+        self._snapshot_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
+        self._snapshot_copied: torch.cuda.Event | None = None
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
@@ -94,6 +98,8 @@ class TorchEngine:
         self.model.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
+        if self._snapshot_copied is not None:  # a snapshot's copy to host still reads the state
+            torch.cuda.current_stream(self.env.device).wait_event(self._snapshot_copied)
         clip = self.recipe.training.grad_clip
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -160,7 +166,14 @@ class TorchEngine:
             if self._snapshot_stager is None:
                 self._snapshot_stager = checkpoint.host_stager(sharded_tensors=True)
             return tp.cast(dict[str, tp.Any], self._snapshot_stager.stage(state))
-        self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers)
+        if self._snapshot_stream is None:
+            self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers)
+            return self._snapshot_buffers
+        self._snapshot_stream.wait_stream(torch.cuda.current_stream(self.env.device))  # the step's last writes
+        with torch.cuda.stream(self._snapshot_stream):
+            self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers)
+            self._snapshot_copied = torch.cuda.Event()
+            self._snapshot_copied.record(self._snapshot_stream)
         return self._snapshot_buffers
 
     def write_snapshot(self, state: dict[str, tp.Any], directory: Path) -> None:
@@ -169,6 +182,8 @@ class TorchEngine:
         loads (a collective save writes DDP's replicated tensors once, on rank 0's node)."""
         import torch.distributed.checkpoint as dcp
 
+        if self._snapshot_copied is not None:  # the side stream's copy into these buffers
+            self._snapshot_copied.synchronize()
         # tmpfs: no fsync, and one thread (a memcpy) that leaves the cores to training
         dcp.save(state, storage_writer=checkpoint.DcpWriter(directory, sync_files=False, threads=1), no_dist=True)
 

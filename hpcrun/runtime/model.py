@@ -43,6 +43,8 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(seq_len, size.hidden)
         self.blocks = nn.ModuleList(Block(size) for _ in range(size.layers))
         self.ln = nn.LayerNorm(size.hidden)
+        if size.ballast_mb:  # saved and restored like any weight; no gradient, no optimizer state
+            self.ballast = nn.Parameter(torch.empty(size.ballast_elements), requires_grad=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -61,6 +63,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        elif isinstance(module, GPT) and module.size.ballast_mb:
+            with torch.no_grad():
+                module.ballast.fill_(1.0)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)

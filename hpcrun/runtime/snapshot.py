@@ -7,14 +7,19 @@ tmpfs that outlives the training processes; where every rank's engine state is t
 only each node's first rank writes it, and the node's other ranks load that copy:
 `<local_scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>/<run id>/<node>/rank-NNNNN/step-N/`
 (`<node>`: SLURMD_NODENAME, so nodes stay apart even where the scratch is shared).
-It is written under a temporary name, its manifest (the sha256 of every file) written last, then
-renamed into place. A background thread then sends the step to the rank of the same position on
-the next node (its peer), which writes and verifies it the same way; once every rank holds both
-copies (an all-reduce on the snapshots' own gloo group) each rank drops its older steps: a node
-keeps one complete step of each rank directory it holds, plus the one being written.
+On the training thread a snapshot is only a copy of the state into host buffers reused from one
+snapshot to the next (on a GPU, on a side stream the optimizer step waits for); a background
+thread writes it under a temporary name, its manifest (each file's size and CRC-32, the attempt
+that wrote it) last, renames it into place, then sends the files to the rank of the same position
+on the next node (its peer) as they lie in memory (tmpfs pages, mapped: no pickles, no copies),
+which receives them straight into their files and checks them against the manifest. Once every
+rank holds both copies (an all-reduce on the snapshots' own gloo group) each rank drops its older
+steps: a node keeps one complete step of each rank directory it holds, plus the one being written.
+A snapshot due while the previous one is still in flight is skipped (hpcrun.runtime.schedule).
 
 At an attempt's start (`restore`, collective) the ranks exchange what their nodes hold, pick the
-newest step of which every rank has a verified copy on some node, have a holder send the files
+newest step of which every rank has a verified copy written by one attempt on some node (ranks
+of different attempts never make one state), have a holder send the files
 of any rank whose node lacks them (a lost node's ranks, started on another node), and load it
 when it is newer than the newest disk checkpoint. A torn copy (a file short or changed, no
 manifest) is never used: that rank's files come from the other holder, or an older step, or the
@@ -26,15 +31,16 @@ node when the job ends.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import datetime as dt
+import json
 import os
-import pickle
 import queue
 import shutil
 import sys
 import threading
 import time
 import typing as tp
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -56,21 +62,30 @@ class Restored:
     state: dict[str, tp.Any]
 
 
+CHUNK = 1 << 24  # bytes read at a time to check a file
+
+
 def file_hashes(directory: Path) -> dict[str, str]:
-    """sha256 of every file below `directory` but its manifest, by relative path."""
+    """`<size>:<CRC-32>` of every file below `directory` but its manifest, by relative path.
+    CRC-32 finds a torn or changed file at ~3.5 GiB/s on one core (sha256: ~1.5): it guards
+    against accidents, not against an adversary, who could write the manifest too."""
     found = {}
     for path in sorted(directory.rglob("*")):
         if path.is_file() and path.name != rundir.MANIFEST:
-            found[path.relative_to(directory).as_posix()] = _sha256(path)
+            found[path.relative_to(directory).as_posix()] = _checksum(path)
     return found
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def _checksum(path: Path) -> str:
+    crc, size = 0, 0
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        while chunk := f.read(CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return _tag(size, crc)
+
+
+def _tag(size: int, crc: int) -> str:
+    return f"{size}:{crc:08x}"
 
 
 def publish(tmp: Path, final: Path, **fields: tp.Any) -> None:
@@ -106,29 +121,10 @@ def verify(step_dir: Path) -> str | None:
     return f"{step_dir}: files differ from the manifest: {', '.join(wrong)}" if wrong else None
 
 
-def pack(step_dir: Path) -> bytes:
-    """A snapshot's files (manifest included) as one buffer, to send to another node."""
-    files = {p.relative_to(step_dir).as_posix(): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}
-    return pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def unpack(data: bytes, rank_dir: Path, step: int) -> str | None:
-    """Write a packed snapshot as step `step` of `rank_dir`: into a temporary directory, verified
-    against its manifest, then renamed. Returns why it was refused, or None."""
-    tmp, final = rundir.partial_step_dir(rank_dir, step), rundir.step_dir(rank_dir, step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    files: dict[str, bytes] = pickle.loads(data)  # from a rank of this job, over its own process group
-    for name, content in files.items():
-        path = tmp / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
-    why = verify(tmp)
-    if why is None:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return why
+def mapped(path: Path, size: int) -> torch.Tensor:
+    """The bytes of `path` (created at `size` if missing) as a tensor over its pages: on tmpfs
+    a send reads the file's memory and a receive writes into it, with no copy in the process."""
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
 
 def nodes_ranks(nodes: list[str]) -> list[list[int]]:
@@ -150,18 +146,24 @@ def peer_of(nodes: list[str], rank: int) -> int | None:
     return nxt[groups[index].index(rank) % len(nxt)]
 
 
+Copy = tuple[int, int, int]
+"""A snapshot copy: (rank, step, attempt that wrote it)."""
+
+
 class Snapshots:
     """One rank's in-memory snapshots of one run; `save`, `restore` and `close` are collective."""
 
-    def __init__(self, scratch: Path, run_id: str, env: DistEnv) -> None:
+    def __init__(self, scratch: Path, run_id: str, env: DistEnv, timeout_s: float) -> None:
         self.env, self.run_id = env, run_id
         # SLURM's requeue count, not hpcrun's attempt number: a restart inside the job finds the same directory
         self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.requeues)
         self.host = slurm.node_name(os.environ)
         self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
         distributed = dist.is_initialized() and env.world_size > 1
-        # a group of its own: the background thread's sends and all-reduce never interleave with training's
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        # a group of its own: the background thread's sends and all-reduce never interleave with
+        # training's; with the job's collective timeout, so that a dead peer ends the attempt in time
+        timeout = dt.timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self.nodes: list[str] = [self.node]
         self.stalls: list[float] = []  # seconds each save held the training thread
         self.failures = 0
@@ -191,28 +193,28 @@ class Snapshots:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def inventory(self) -> list[tuple[int, int]]:
-        """(rank, step) of every complete snapshot of this run's world size on this node."""
+    def inventory(self) -> list[Copy]:
+        """(rank, step, attempt) of every complete snapshot of this run's world size on this node."""
         found = []
         for rank, path in rundir.snapshot_ranks(self.job_dir, self.run_id, self.host).items():
             for step, step_path in rundir.step_dirs(path).items():
                 manifest = manifest_of(step_path)
                 if manifest and manifest.get("world_size") == self.env.world_size and manifest.get("step") == step:
-                    found.append((rank, step))
+                    found.append((rank, step, int(manifest.get("attempt", -1))))
         return found
 
     def restore(self, engine: tp.Any, newer_than: int) -> Restored | None:
-        """Load the newest step every rank has a verified copy of, if newer than `newer_than`
-        (the newest disk checkpoint's step); None: resume from disk."""
+        """Load the newest step every rank has a verified copy of, written by one attempt, if
+        newer than `newer_than` (the newest disk checkpoint's step); None: resume from disk."""
         gathered = self._gather((self.node, self.inventory()))
         self.nodes = [node for node, _ in gathered]
-        holders: dict[tuple[int, int], list[int]] = {}
+        holders: dict[Copy, list[int]] = {}
         for group in nodes_ranks(self.nodes):  # one holder per node: its first rank
-            for rank, step in gathered[group[0]][1]:
-                holders.setdefault((rank, step), []).append(group[0])
+            for copy in gathered[group[0]][1]:
+                holders.setdefault(tuple(copy), []).append(group[0])
         world = self.env.world_size
-        for step in sorted({s for _, s in holders if s > newer_than}, reverse=True):
-            plan = self._plan(step, holders, world)
+        for step, attempt in sorted({(s, a) for _, s, a in holders if s > newer_than}, reverse=True):
+            plan = self._plan(step, attempt, holders, world)
             if plan is None:
                 continue
             source = "memory" if all(self.nodes[h] == self.nodes[r] for r, h in plan.items()) else "replica"
@@ -234,14 +236,15 @@ class Snapshots:
             return Restored(source, step, state)
         return None
 
-    def _plan(self, step: int, holders: dict[tuple[int, int], list[int]], world: int) -> dict[int, int] | None:
-        """Which rank's node serves each rank's files of `step`: the rank's own node where it holds
-        a verified copy, else another holder; None when some rank has no verified copy anywhere."""
+    def _plan(self, step: int, attempt: int, holders: dict[Copy, list[int]], world: int) -> dict[int, int] | None:
+        """Which rank's node serves each rank's files of `step` as `attempt` wrote it: the rank's
+        own node where it holds a verified copy, else another holder; None when some rank has no
+        verified copy of that attempt anywhere."""
         refused: set[tuple[int, int]] = set()  # (holder, rank) whose copy failed verification
         while True:
             plan = {}
             for rank in range(world):
-                usable = [h for h in holders.get((rank, step), []) if (h, rank) not in refused]
+                usable = [h for h in holders.get((rank, step, attempt), []) if (h, rank) not in refused]
                 if not usable:
                     return None
                 own = [h for h in usable if self.nodes[h] == self.nodes[rank]]
@@ -259,40 +262,80 @@ class Snapshots:
         """Send and receive the files of ranks whose node lacks them (point to point over the
         snapshots' group); returns why a received copy was refused, or None."""
         moves = [(h, r) for r, h in sorted(plan.items()) if self.nodes[h] != self.nodes[r]]
-        sends = []
-        for holder, rank in moves:
-            if holder == self.env.rank:
-                sends += self._send(pack(rundir.step_dir(self.rank_dir(rank), step)), rank)
-        refused = None
-        for holder, rank in moves:
-            if rank == self.env.rank:
-                refused = unpack(self._recv(holder), self.rank_dir(rank), step) or refused
+        mine = self.env.rank
+        outgoing: list[tuple[int, Path | None]] = [
+            (rank, rundir.step_dir(self.rank_dir(rank), step)) for holder, rank in moves if holder == mine
+        ]
+        return self._exchange(outgoing, [(holder, mine) for holder, rank in moves if rank == mine], step)
+
+    def _exchange(
+        self, outgoing: list[tuple[int, Path | None]], incoming: list[tuple[int, int]], step: int
+    ) -> str | None:
+        """Send each outgoing step directory to its rank (None: nothing, this rank's snapshot
+        failed) and receive each incoming (sender, rank) copy as step `step` of that rank's
+        directory here: a header (the files and sizes), then every file's bytes straight from
+        and into its mapped pages, written under a temporary name, verified, renamed. Returns
+        why a received copy was refused, or None."""
+        sends: list[tuple[tp.Any, torch.Tensor]] = []  # each send with its tensor, kept alive until it completes
+        for to, directory in outgoing:
+            files = [] if directory is None else [
+                (p.relative_to(directory).as_posix(), p.stat().st_size)
+                for p in sorted(directory.rglob("*")) if p.is_file()
+            ]
+            header = torch.frombuffer(bytearray(json.dumps({"files": files}).encode()), dtype=torch.uint8)
+            size = torch.tensor([header.numel()], dtype=torch.int64)
+            sends += [(dist.isend(t, to, group=self.group), t) for t in (size, header)]
+            for name, length in files:
+                if length:
+                    data = mapped(tp.cast(Path, directory) / name, length)
+                    sends.append((dist.isend(data, to, group=self.group), data))
+        why = None
+        for sender, rank in incoming:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, sender, group=self.group)
+            header = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(header, sender, group=self.group)
+            files = json.loads(header.numpy().tobytes())["files"]
+            if not files:
+                why = why or f"rank {sender} sent no snapshot of rank {rank}"
+                continue
+            tmp = rundir.partial_step_dir(self.rank_dir(rank), step)
+            shutil.rmtree(tmp, ignore_errors=True)
+            for name, length in files:
+                path = tmp / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if length:
+                    dist.recv(mapped(path, length), sender, group=self.group)
+                else:
+                    path.touch()
+            why = self._settle(tmp, rundir.step_dir(self.rank_dir(rank), step)) or why
+            self._held.add(rank)
         for work, _ in sends:
             work.wait()
-        return refused
+        return why
 
-    def _send(self, data: bytes, to: int) -> list[tuple[tp.Any, torch.Tensor]]:
-        """Start sending `data` to rank `to`; each send with its tensor, kept alive until it completes."""
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sends = [(dist.isend(size, to, group=self.group), size)]
-        if payload.numel():
-            sends.append((dist.isend(payload, to, group=self.group), payload))
-        return sends
+    @staticmethod
+    def _settle(tmp: Path, final: Path) -> str | None:
+        """A received copy verified against its manifest and renamed into place, or removed."""
+        why = verify(tmp)
+        if why is None:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return why
 
-    def _recv(self, src: int) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src, group=self.group)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        if payload.numel():
-            dist.recv(payload, src, group=self.group)
-        return payload.numpy().tobytes()
+    @property
+    def busy(self) -> bool:
+        """Whether the previous snapshot is still being written, sent or agreed on."""
+        return self._pending is not None and not self._pending.done()
 
     def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> float:
-        """Snapshot `step` (after the previous snapshot is done); returns the seconds the training
-        thread was held: waiting for the previous one, and copying the state to host buffers."""
+        """Snapshot `step`: copy the state to host buffers and leave the rest to the background
+        thread. Returns the seconds the training thread was held. Called when no snapshot is in
+        flight on any rank (hpcrun.runtime.schedule skips one due earlier)."""
         start = time.perf_counter()
-        self.wait()
+        self.wait()  # nothing in flight by the schedule's agreement: returns at once
         if len(self.nodes) != self.env.world_size:  # no restore ran: learn the nodes now
             self.nodes = self._gather(self.node)
         rank_dir = self.rank_dir(self.env.rank)
@@ -326,16 +369,17 @@ class Snapshots:
         failed snapshot is reported and skipped (the disk checkpoint stays), and every rank still
         takes part in the exchange and the all-reduce, so that none waits for it forever."""
         final = rundir.step_dir(self.rank_dir(self.env.rank), step)
-        data, why = b"", None
+        published, why = False, None
         try:
             rundir.trainer_state(tmp, self.env.rank).write_bytes(ckpt.serialise(state))
             if staged is not None:
                 engine.write_snapshot(staged, rundir.engine_state(tmp))
-            publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id)
-            data = pack(final) if peer_of(self.nodes, self.env.rank) is not None else b""
+            publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id,
+                    attempt=self.env.restart_count)
+            published = True
         except Exception as exc:  # noqa: BLE001 - reported, and the ranks still meet below
             why = f"{type(exc).__name__}: {exc}"
-        why = self._replicate(data, step) if why is None else why
+        why = self._replicate(final if published else None, step) or why
         ok = torch.tensor([0 if why else 1], dtype=torch.int64)
         try:
             if self.group is not None:
@@ -348,24 +392,13 @@ class Snapshots:
             self.failures += 1
             print(f"[hpcrun rank {self.env.rank}] snapshot of step {step} failed: {why}", file=sys.stderr, flush=True)
 
-    def _replicate(self, data: bytes, step: int) -> str | None:
+    def _replicate(self, published: Path | None, step: int) -> str | None:
         peer = peer_of(self.nodes, self.env.rank)
         if peer is None:
             return None
         senders = [r for r in range(self.env.world_size) if peer_of(self.nodes, r) == self.env.rank]
         try:
-            sends = self._send(data, peer)
-            why = None
-            for sender in senders:
-                received = self._recv(sender)
-                self._held.add(sender)
-                if not received:
-                    why = why or f"rank {sender} sent no snapshot"
-                    continue
-                why = unpack(received, self.rank_dir(sender), step) or why
-            for work, _ in sends:
-                work.wait()
-            return why
+            return self._exchange([(peer, published)], [(sender, sender) for sender in senders], step)
         except Exception as exc:  # noqa: BLE001 - reported by the caller
             return f"{type(exc).__name__}: {exc}"
 
@@ -385,11 +418,13 @@ class Snapshots:
             pending.result()
 
     def close(self, remove: bool) -> None:
-        """Wait for the snapshot in flight; with `remove` (the training finished, or no restart
-        in this job can come), delete this rank's directories and, once empty, the job's."""
-        self.wait()
+        """With `remove` (the training finished, or no restart in this job can come): wait for
+        the snapshot in flight, then delete this rank's directories and, once empty, the job's.
+        Without, the snapshot in flight is abandoned, not waited for: a stop must fit in SLURM's
+        KillWait, a failed attempt's peers may be gone, and the newest complete step stays."""
         if not remove:
             return
+        self.wait()
         for rank in self._held:
             shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
         for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):

@@ -278,7 +278,7 @@ start_slurmd() {  # NODE: its slurmd, in a mount namespace of its own holding th
   mkdir -p "/var/spool/slurmd/$node" "$LOCAL"
   # `ip netns exec` gives each call a new mount namespace (mounts in it do not reach the host): a
   # tmpfs mounted there is seen by this slurmd and every job process it starts, and by nothing else
-  ip netns exec "$node" sh -c 'mount -t tmpfs -o size=1g,mode=1777 hpcrun-node-local "$1" && exec slurmd -N "$2"' \
+  ip netns exec "$node" sh -c 'mount -t tmpfs -o size=3g,mode=1777 hpcrun-node-local "$1" && exec slurmd -N "$2"' \
     sh "$LOCAL" "$node"
 }
 
