@@ -113,7 +113,9 @@ class Context:
         watchdog = Watchdog(
             self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
         )
+        warmup = self.recipe.training.warmup_steps
         try:
+            self.measured.mark(warmup)  # the wall clock the results row's wall_tokens_per_s is measured on
             for step in range(self.start_step, total):
                 self.step = step
                 self.step_metrics = {}
@@ -146,6 +148,7 @@ class Context:
                 elif self.snapshots and done % self.recipe.checkpoint.memory_interval == 0:
                     with watchdog.saving():
                         self.snapshot(done)
+                self.measured.mark(warmup)
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
                     self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
@@ -195,7 +198,7 @@ class Context:
         # this rank's own losses: their mean over ranks (global_losses) is taken at the restore, so
         # that a snapshot waits for no other rank
         state = {"step": step, "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
-        self.snapshots.save(self.engine, step, state)
+        self.measured.snapshot_stalls.append(self.snapshots.save(self.engine, step, state))
 
     def close_snapshots(self, status: str) -> None:
         """At the attempt's end: wait for the snapshot in flight; remove this run's snapshots once
