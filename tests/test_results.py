@@ -346,6 +346,9 @@ def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
                 offload_param="none",
                 model=model,
                 tokens_per_s=rate,
+                # ZeRO-3's rows as files written before the wall clock was measured
+                wall_tokens_per_s=0.9 * rate if stage < 3 else None,
+                recovery_overhead=0.0053 if stage < 3 else None,
             ),
         )
     out = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "json")
@@ -354,8 +357,14 @@ def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
     assert list(table_["strategy"]) == ["zero1", "zero2", "zero3+cpu", "zero3+nvme"]
     assert list(table_["runs"]) == [1, 1, 1, 2] and list(table_["mixes"].fillna("")) == ["", "", "", "model"]
     assert "warning: strategy=zero3+nvme, nodes=1 averages runs that differ in model" in out.stderr
+    assert list(table_.columns[2:5]) == ["tokens_per_s", "wall_tokens_per_s", "recovery_overhead"]
+    assert list(table_["wall_tokens_per_s"][:2]) == [10791.0, 8928.0] and table_["wall_tokens_per_s"][2:].isna().all()
     shown = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes").stdout
     assert "12 k" in shown and "9.92 k" in shown and "e+0" not in shown, shown
+    header, _, zero1, *_, zero3 = shown.splitlines()
+    assert header.split()[2:5] == ["tokens_per_s", "wall_tokens_per_s", "recovery_overhead"], shown
+    assert zero1.split()[2:8] == ["12", "k", "10.8", "k", "0.53", "%"], shown
+    assert zero3.split()[4:6] == ["–", "–"], shown  # not measured: a dash, never nan
 
 
 def test_files_compaction_leaves_do_not_make_every_read_compact(tmp_path: Path) -> None:
