@@ -15,6 +15,8 @@ if tp.TYPE_CHECKING:
 
 METRICS = {
     "tokens_per_s": "mean",
+    "wall_tokens_per_s": "mean",  # beside tokens_per_s: what the wall clock saw, saves and snapshots included
+    "recovery_overhead": "mean",
     "tokens_per_s_per_gpu": "mean",
     "mfu": "mean",
     "step_time_p50_s": "median",
@@ -28,10 +30,11 @@ MEASURES = ["model", "micro_batch", "seq_len", "precision", "world_size"]
 
 
 def compare(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Completed runs grouped by `keys`: throughput, MFU, step time and memory, and with
-    `nodes` among the keys the scaling efficiency per GPU against the smallest node count of
-    the same group. `strategy` groups by the label the report uses (`zero2`, `zero3+nvme`), and
-    `mixes` names what the runs of a group differ in among MEASURES (empty when nothing)."""
+    """Completed runs grouped by `keys`: throughput (per step and by the wall clock, and the share
+    of wall time lost to saves and snapshots), MFU, step time and memory, and with `nodes` among
+    the keys the scaling efficiency per GPU against the smallest node count of the same group.
+    `strategy` groups by the label the report uses (`zero2`, `zero3+nvme`), and `mixes` names
+    what the runs of a group differ in among MEASURES (empty when nothing)."""
     unknown = [k for k in keys if k not in df.columns]
     if unknown:
         raise HpcrunError(f"unknown column(s) {', '.join(unknown)}", field="--compare")

@@ -99,7 +99,13 @@ COLUMNS: dict[str, pa.DataType] = {
     "steps_timed": I,
     "step_time_p50_s": F,
     "step_time_p95_s": F,
-    "tokens_per_s": F,
+    "tokens_per_s": F,  # per mean step time after the warm-up steps: hpcrun's per-step work in, stalls out
+    # tokens over the wall time of the same steps: from the end of the last warm-up step (after its save or
+    # snapshot) to the end of the attempt's last step (after its save or snapshot, the final blocking save
+    # included), so steps, hpcrun's per-step work and stalls all count. An attempt of no more steps than the
+    # warm-up is timed from its loop's start, as tokens_per_s times all its steps. Null where tokens_per_s
+    # is, for command jobs (hpcrun runs no loop of theirs), and in files written before it was measured.
+    "wall_tokens_per_s": F,
     "tokens_per_s_per_gpu": F,
     "samples_per_s": F,
     "tflops_per_gpu": F,
@@ -110,6 +116,11 @@ COLUMNS: dict[str, pa.DataType] = {
     "checkpoint_save_s": F,
     "checkpoint_stall_s": F,
     "checkpoint_write_s": F,
+    "snapshot_stall_s": F,  # the training thread's stall in in-memory snapshots, summed as checkpoint_stall_s is
+    # the share of wall_tokens_per_s's wall time the training thread stalled in the saves and snapshots
+    # taken within it (a background write's cost shows only as slower steps); those of the warm-up
+    # steps count in the two sums of stalls, not here. Null as wall_tokens_per_s is, but for want of tokens
+    "recovery_overhead": F,
     "slow_ranks": S,
     "resumed_from": S,  # memory / replica (in-memory snapshots), disk, or None: started from step 0
 }

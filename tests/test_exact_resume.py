@@ -46,7 +46,7 @@ def trained_and_measured(tmp_path: Path, run_dir: Path, strategy: dict[str, obje
     curve = losses(run_dir)
     assert len(curve) == TRAINING["steps"] and curve[-1] < curve[0] - 0.05, curve
     (row,) = rows(tmp_path, run_dir).to_dict("records")
-    sized = ("tokens_per_s", "tokens_per_s_per_gpu", "parameters", "tflops_per_gpu", "mfu")
+    sized = ("tokens_per_s", "wall_tokens_per_s", "tokens_per_s_per_gpu", "parameters", "tflops_per_gpu", "mfu")
     missing = [
         c for c in MEASURED if c not in sized and row[c] is None or (isinstance(row[c], float) and math.isnan(row[c]))
     ]

@@ -61,6 +61,9 @@ def sweep(tmp: Path, diverge: str | None = None, seed_of: dict[str, int] | None 
                     "seq_len": 64,
                     "tokens_per_s": 2000.0 * nodes * (1 - 0.1 * i),
                     "tokens_per_s_per_gpu": 1000.0 * (1 - 0.1 * i),
+                    # saves and snapshots cost 10%; zero3's rows as files written before that was measured
+                    "wall_tokens_per_s": 1800.0 * nodes * (1 - 0.1 * i) if label != "zero3" else None,
+                    "recovery_overhead": 0.0042 if label != "zero3" else None,
                     "mfu": None,
                     "peak_memory_bytes": int(4e8 * (4 - i)),
                     "step_time_p50_s": 0.1 + 0.01 * i,
@@ -150,12 +153,18 @@ def test_page_in_human_units_with_nothing_fetched(tmp_path: Path) -> None:
     assert (
         "1.60 GB" in text and "2 k" in text and "100 %" in text and "100 ms" in text and "–" in text
     )  # MFU unmeasured: a dash
+    # the wall clock beside the per-step throughput, in the table and the scaling plot
+    assert "<th>tokens/s</th><th>wall-clock tokens/s</th><th>lost to saves/snapshots</th>" in page
+    assert re.search(r"<td>2 k</td><td>1.8 k</td><td>0.42 %</td>", page), text
+    assert re.search(r"<td>1.4 k</td><td>–</td><td>–</td>", page), text  # zero3: not measured
+    assert "wall-clock tokens/s: over the training loop's wall time" in text
     assert not re.search(r'(src|href)="(?!data:)', page) and "<script" not in page and "url(" not in page
     for fact in ("testcluster", "batch", "node[1-2]", "2.13.0+cpu", "0.19.8", "0123abc"):
         assert fact in text, fact
     assert text.count("DISAGREE") == 1 and "ddp vs fsdp" in text
     figures = [attrs["data-figure"] for attrs, _ in data_uris(page)]
     assert figures == ["scaling", "per_gpu", "loss-0", "loss-1", "memory", "step_times"]
+    assert "dotted, open markers: wall-clock tokens/s" in text.split('data-figure="scaling"')[1].split("</figure>")[0]
 
 
 def chromium() -> str:
@@ -256,7 +265,8 @@ def test_results_compare_says_whether_strategies_agree(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_report_from_real_runs(tmp_path: Path) -> None:
-    """Two strategies really trained (local site): the page has one loss line each, and they agree."""
+    """Two strategies really trained (local site): the page has one loss line each, and they agree;
+    it and `results --compare` show each one's wall-clock throughput (its final save included)."""
     from tests.runs import hpcrun, recipe, site_copy
 
     site = site_copy(tmp_path)
@@ -275,6 +285,12 @@ def test_report_from_real_runs(tmp_path: Path) -> None:
     assert re.search(
         r'<tr class="good"><td class="t">agree</td><td class="t">tiny</td><td class="t">ddp, fsdp</td>', page
     ), page[-3000:]
+    measured = r"<td>[\d.]+ k</td><td>[\d.]+ k</td><td>[\d.]+ %</td>"  # tokens/s, wall-clock, lost: none a dash
+    assert "<th>wall-clock tokens/s</th>" in page and len(re.findall(measured, page)) == 2, page[:3000]
+    shown = hpcrun("results", "--site", str(site), "--compare", "strategy").stdout.splitlines()
+    header, table = shown[0].split(), [line.split() for line in shown[2 : shown.index("")]]  # then: do they agree?
+    assert header[1:4] == ["tokens_per_s", "wall_tokens_per_s", "recovery_overhead"], shown
+    assert [r[0] for r in table] == ["ddp", "fsdp"] and all(r[2:8:2] == ["k", "k", "%"] for r in table), shown
 
 
 def test_bar_labels_of_seven_strategies_do_not_overlap() -> None:

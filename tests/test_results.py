@@ -48,6 +48,40 @@ def test_schema_round_trip(tmp_path: Path) -> None:
     assert str(df["strategy"].dtype).startswith("string") and str(df["start_time"].dtype) == "datetime64[us, UTC]"
 
 
+def test_wall_clock_columns_time_the_steps_tokens_per_s_times() -> None:
+    """A loop of 2 warm-up steps and 4 timed ones, 1 s each: a 5 s save after step 2 (warm-up), a
+    0.5 s snapshot after step 3 and the final 2 s save. The wall clock runs from the end of step 2,
+    its save included, to the end of step 6, the final save included; the stall sums are the
+    attempt's. An attempt no longer than its warm-up is timed whole; one whose loop hpcrun does not
+    run (a command job) has no wall clock."""
+    import dataclasses
+
+    from hpcrun.runtime.metrics import Measurements, summarise
+
+    m = Measurements()
+    saves, snapshots = {2: 5.0, 6: 2.0}, {3: 0.5}
+    at = {0: 0.0}  # the end of each step, its stall included, on a clock made for the test
+    m.mark(2)
+    for step in range(1, 7):
+        m.step_times.append(1.0)
+        m.checkpoint_saves += [saves[step]] if step in saves else []
+        m.snapshot_stalls += [snapshots[step]] if step in snapshots else []
+        m.mark(2)
+        at[step] = at[step - 1] + 1.0 + saves.get(step, 0.0) + snapshots.get(step, 0.0)
+    assert m.started and m.warm and m.latest and (m.warm.steps, m.warm.saves, m.latest.snapshots) == (2, 1, 1)
+    m.started, m.warm, m.latest = (dataclasses.replace(k, at=at[k.steps]) for k in (m.started, m.warm, m.latest))
+    row = summarise(m, 2, 100, 1, 2, None, None)
+    assert row["tokens_per_s"] == 100.0 and row["wall_tokens_per_s"] == pytest.approx(400 / 6.5)
+    assert row["recovery_overhead"] == pytest.approx(2.5 / 6.5)
+    assert (row["checkpoint_stall_s"], row["snapshot_stall_s"]) == (7.0, 0.5)
+    short = summarise(m, 6, 100, 1, 2, None, None)  # no more steps than the warm-up: all of them
+    assert short["wall_tokens_per_s"] == pytest.approx(600 / 13.5) and short["recovery_overhead"] == pytest.approx(
+        7.5 / 13.5
+    )
+    untimed = summarise(Measurements(step_times=[1.0]), 2, 100, 1, 2, None, None)
+    assert (untimed["wall_tokens_per_s"], untimed["recovery_overhead"], untimed["snapshot_stall_s"]) == (None, None, 0)
+
+
 def test_unknown_column_is_refused() -> None:
     with pytest.raises(ValueError, match="not in the results schema"):
         table([{"run_id": "x", "bogus": 1}])
@@ -200,7 +234,9 @@ def older_and_newer_files(directory: Path) -> tuple[set[str], dict[str, bytes]]:
     torn copy and a foreign Parquet file. Returns the attempt ids of the readable rows and the
     bytes of the unreadable files by name."""
     good = table([row(attempt_id="old-1"), row(attempt_id="old-2")])
-    older = good.drop_columns(["slow_ranks", "checkpoint_write_s", "extra"])
+    older = good.drop_columns(
+        ["slow_ranks", "checkpoint_write_s", "wall_tokens_per_s", "snapshot_stall_s", "recovery_overhead", "extra"]
+    )
     pq.write_table(older, directory / "r0__1__0__older.parquet")
     newer = table([row(attempt_id="new-1")]).append_column("energy_j", pa.array([12.5]))
     pq.write_table(newer, directory / "r0__2__0__newer.parquet")
@@ -248,7 +284,10 @@ def test_compaction_leaves_what_it_did_not_merge(tmp_path: Path) -> None:
         merged, rows = compact(tmp_path)
     assert (merged, rows) == (2, 3)  # the older file and the current one
     assert sorted(p.name for p in files(tmp_path))[1:] == ["r0__2__0__newer.parquet"]
-    assert set(load(tmp_path)["attempt_id"]) == readable | {"current"}
+    df = load(tmp_path)
+    assert set(df["attempt_id"]) == readable | {"current"}
+    older = df[df["attempt_id"].isin(["old-1", "old-2"])]
+    assert older[["wall_tokens_per_s", "snapshot_stall_s", "recovery_overhead"]].isna().all().all()
 
 
 def test_compaction_merges_only_files_it_may_remove() -> None:
@@ -307,6 +346,9 @@ def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
                 offload_param="none",
                 model=model,
                 tokens_per_s=rate,
+                # ZeRO-3's rows as files written before the wall clock was measured
+                wall_tokens_per_s=0.9 * rate if stage < 3 else None,
+                recovery_overhead=0.0053 if stage < 3 else None,
             ),
         )
     out = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes", "--format", "json")
@@ -315,8 +357,14 @@ def test_compare_groups_by_the_reports_strategy_labels(tmp_path: Path) -> None:
     assert list(table_["strategy"]) == ["zero1", "zero2", "zero3+cpu", "zero3+nvme"]
     assert list(table_["runs"]) == [1, 1, 1, 2] and list(table_["mixes"].fillna("")) == ["", "", "", "model"]
     assert "warning: strategy=zero3+nvme, nodes=1 averages runs that differ in model" in out.stderr
+    assert list(table_.columns[2:5]) == ["tokens_per_s", "wall_tokens_per_s", "recovery_overhead"]
+    assert list(table_["wall_tokens_per_s"][:2]) == [10791.0, 8928.0] and table_["wall_tokens_per_s"][2:].isna().all()
     shown = cli("results", "--dir", str(tmp_path), "--compare", "strategy,nodes").stdout
     assert "12 k" in shown and "9.92 k" in shown and "e+0" not in shown, shown
+    header, _, zero1, *_, zero3 = shown.splitlines()
+    assert header.split()[2:5] == ["tokens_per_s", "wall_tokens_per_s", "recovery_overhead"], shown
+    assert zero1.split()[2:8] == ["12", "k", "10.8", "k", "0.53", "%"], shown
+    assert zero3.split()[4:6] == ["–", "–"], shown  # not measured: a dash, never nan
 
 
 def test_files_compaction_leaves_do_not_make_every_read_compact(tmp_path: Path) -> None:

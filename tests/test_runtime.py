@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 MEASURED = [
     "tokens_per_s",
+    "wall_tokens_per_s",
     "tokens_per_s_per_gpu",
     "samples_per_s",
     "step_time_p50_s",
@@ -25,6 +26,8 @@ MEASURED = [
     "checkpoint_save_s",
     "checkpoint_stall_s",
     "checkpoint_write_s",
+    "snapshot_stall_s",
+    "recovery_overhead",
     "start_time",
     "end_time",
 ]

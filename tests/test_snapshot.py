@@ -213,17 +213,27 @@ def test_verify_refuses_what_differs_from_the_manifest(tmp_path: Path) -> None:
 def test_local_run_with_snapshots_finishes_identically(tmp_path: Path) -> None:
     """`hpcrun submit --site local` with snapshots every 2 steps into the default scratch
     (/dev/shm): the same weights and losses as with none, every snapshot taken and none failed,
-    and nothing left in /dev/shm."""
+    and nothing left in /dev/shm. Both runs' rows say what the saves and snapshots cost: the wall
+    clock over the timed steps holds those steps, every stall (one warm-up step: no save or
+    snapshot before the wall clock starts) and nothing negative, and the share lost is the stalls'."""
     site = site_copy(tmp_path)
     digests = {}
     for interval in (0, 2):
         path = recipe(
-            tmp_path, f"local-{interval}", training={"steps": 12, "micro_batch": 2, "seq_len": 32},
+            tmp_path, f"local-{interval}", training={"steps": 12, "micro_batch": 2, "seq_len": 32, "warmup_steps": 1},
             checkpoint={"interval": 5, "memory_interval": interval, "export_final": True},
         )
         run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(path)))
         assert state(run_dir)["status"] == "completed", state(run_dir)
         digests[interval] = (weights(run_dir), losses(run_dir))
+        (row,) = rows(tmp_path, run_dir).to_dict("records")
+        tokens = row["steps_timed"] * row["global_batch"] * row["seq_len"]
+        wall_s, steps_s = tokens / row["wall_tokens_per_s"], tokens / row["tokens_per_s"]
+        lost_s = row["checkpoint_stall_s"] + row["snapshot_stall_s"]
+        assert row["checkpoint_saves"] == 3 and row["checkpoint_stall_s"] > 0 and row["steps_timed"] == 11, row
+        assert (row["snapshot_stall_s"] > 0) == (interval > 0), row
+        assert row["wall_tokens_per_s"] < row["tokens_per_s"] and wall_s >= steps_s + lost_s - 1e-9, row
+        assert row["recovery_overhead"] == pytest.approx(lost_s / wall_s, rel=1e-9), row
         job_id = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
         assert not rundir.snapshot_job_dir("/dev/shm", job_id, 0).exists()
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))

@@ -59,9 +59,10 @@ def _human(table: tp.Any) -> tp.Any:
     from hpcrun.report import units
 
     shown = table.copy()
-    for column, unit in (("tokens_per_s", units.kilo), ("tokens_per_s_per_gpu", units.kilo), ("mfu", units.percent),
-                         ("scaling_efficiency", units.percent), ("step_time_p50_s", units.milliseconds),
-                         ("peak_memory_bytes", units.gigabytes)):
+    for column, unit in (("tokens_per_s", units.kilo), ("wall_tokens_per_s", units.kilo),
+                         ("recovery_overhead", units.share), ("tokens_per_s_per_gpu", units.kilo),
+                         ("mfu", units.percent), ("scaling_efficiency", units.percent),
+                         ("step_time_p50_s", units.milliseconds), ("peak_memory_bytes", units.gigabytes)):
         if column in shown.columns:
             shown[column] = [unit(value) for value in shown[column]]
     return shown

@@ -29,6 +29,14 @@ figcaption{color:#666;font-size:13px;max-width:640px}img{max-width:100%}
 """
 
 
+# under the summary table: its two throughputs differ by what recovery costs, and a reader must know which is which
+WALL_CLOCK = (
+    "tokens/s: per step after the warm-up, stalls for checkpoint saves and in-memory snapshots excluded; "
+    "wall-clock tokens/s: over the training loop's wall time for the same steps, those stalls included; "
+    "lost to saves/snapshots: the share of that wall time the training thread stalled in saves and snapshots."
+)
+
+
 def _table(header: list[str], rows: list[list[str]], left: int = 1, classes: list[str] | None = None) -> str:
     head = "".join(
         f'<th class="t">{html.escape(h)}</th>' if i < left else f"<th>{html.escape(h)}</th>"
@@ -54,6 +62,8 @@ def summary_table(done: pd.DataFrame) -> pd.DataFrame:
         world_size=("world_size", "max"),
         runs=("run_id", "nunique"),
         tokens_per_s=("tokens_per_s", "mean"),
+        wall_tokens_per_s=("wall_tokens_per_s", "mean"),
+        recovery_overhead=("recovery_overhead", "mean"),
         tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "mean"),
         mfu=("mfu", "mean"),
         step_time_p50_s=("step_time_p50_s", "median"),
@@ -223,6 +233,8 @@ def render(
             _e(r.world_size),
             _e(r.runs),
             units.kilo(r.tokens_per_s),
+            units.kilo(r.wall_tokens_per_s),
+            units.share(r.recovery_overhead),
             units.kilo(r.tokens_per_s_per_gpu),
             units.percent(r.mfu),
             units.percent(r.scaling_efficiency, 0),
@@ -240,8 +252,8 @@ def render(
     )
     loss_html = "".join(_img(f) for f in loss) or "<p>No per-step losses were recorded for these runs.</p>"
     header = [
-        "strategy", "nodes", "ranks", "runs", "tokens/s", "tokens/s per GPU", "MFU", "scaling eff.",
-        "step p50", "step p95", "peak memory", "final loss", "restarts",
+        "strategy", "nodes", "ranks", "runs", "tokens/s", "wall-clock tokens/s", "lost to saves/snapshots",
+        "tokens/s per GPU", "MFU", "scaling eff.", "step p50", "step p95", "peak memory", "final loss", "restarts",
     ]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -249,6 +261,7 @@ def render(
 <body><h1>{html.escape(title)}</h1><p class="sub">{html.escape(when)}</p>
 <h2>Summary</h2>
 {_table(header, rows)}
+<p class="sub">{html.escape(WALL_CLOCK)}</p>
 <h2>Scaling and throughput</h2>
 {"".join(_img(f) for f in plots[:2])}
 <h2>Loss curves</h2>

@@ -119,7 +119,9 @@ class Context:
             self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
         )
         disk, memory = self.schedules()
+        warmup = self.recipe.training.warmup_steps
         try:
+            self.measured.mark(warmup)  # the wall clock the results row's wall_tokens_per_s is measured on
             for step in range(self.start_step, total):
                 self.step = step
                 self.step_metrics = {}
@@ -160,6 +162,7 @@ class Context:
                 elif memory and memory.due(done, self.start_step) and memory.decide(done, snapshot_busy):
                     with watchdog.saving():
                         memory.started(self.snapshot(done))
+                self.measured.mark(warmup)
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
                     self.info(f"{self.stopped}: saved step {done}, stopping for requeue")
@@ -239,7 +242,8 @@ class Context:
         # this rank's own losses: their mean over ranks (global_losses) is taken at the restore, so
         # that a snapshot waits for no other rank
         state = {"step": step, "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
-        return self.snapshots.save(self.engine, step, state)
+        self.measured.snapshot_stalls.append(self.snapshots.save(self.engine, step, state))
+        return self.measured.snapshot_stalls[-1]
 
     def close_snapshots(self, status: str) -> None:
         """At the attempt's end: wait for the snapshot in flight; remove this run's snapshots once

@@ -6,9 +6,21 @@ import dataclasses
 import resource
 import statistics
 import sys
+import time
 import typing as tp
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """A point of the training loop's wall clock: when (time.perf_counter), and how many steps,
+    saves and snapshots the attempt had made by then."""
+
+    at: float
+    steps: int
+    saves: int
+    snapshots: int
 
 
 @dataclasses.dataclass
@@ -17,7 +29,22 @@ class Measurements:
     losses: list[float] = dataclasses.field(default_factory=list)
     checkpoint_saves: list[float] = dataclasses.field(default_factory=list)  # training stalled, per save
     checkpoint_writes: list[float] = dataclasses.field(default_factory=list)  # start to durable, per save
+    snapshot_stalls: list[float] = dataclasses.field(default_factory=list)  # training stalled, per snapshot
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the loop's start, the end of its warm-up and its latest step: three marks, not one per step,
+    # are all the wall-clock columns need (a run may take millions of steps)
+    started: Mark | None = None
+    warm: Mark | None = None
+    latest: Mark | None = None
+
+    def mark(self, warmup: int) -> None:
+        """Called before the loop's first step and after each step, its save or snapshot included;
+        `warmup`: the steps `summarise` leaves untimed (training.warmup_steps)."""
+        mark = Mark(time.perf_counter(), len(self.step_times), len(self.checkpoint_saves), len(self.snapshot_stalls))
+        self.started = self.started or mark
+        if mark.steps == warmup:
+            self.warm = mark
+        self.latest = mark
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -61,4 +88,21 @@ def summarise(
     row["checkpoint_save_s"] = statistics.fmean(m.checkpoint_saves) if m.checkpoint_saves else None
     row["checkpoint_stall_s"] = sum(m.checkpoint_saves)
     row["checkpoint_write_s"] = statistics.fmean(m.checkpoint_writes) if m.checkpoint_writes else None
+    row["snapshot_stall_s"] = sum(m.snapshot_stalls)
+    row.update(wall_clock(m, warmup, tokens_per_step))
     return row
+
+
+def wall_clock(m: Measurements, warmup: int, tokens_per_step: int | None) -> dict[str, float | None]:
+    """`wall_tokens_per_s` and `recovery_overhead` over the same steps as `tokens_per_s` (those
+    after the warm-up, or all of them in an attempt that made no more): the columns' meaning is
+    stated once, in hpcrun.results."""
+    first, last = (m.warm if m.latest and m.warm and m.latest.steps > warmup else m.started), m.latest
+    if first is None or last is None or last.at <= first.at or last.steps == first.steps:
+        return {"wall_tokens_per_s": None, "recovery_overhead": None}
+    wall = last.at - first.at
+    lost = sum(m.checkpoint_saves[first.saves : last.saves]) + sum(m.snapshot_stalls[first.snapshots : last.snapshots])
+    return {
+        "wall_tokens_per_s": tokens_per_step * (last.steps - first.steps) / wall if tokens_per_step else None,
+        "recovery_overhead": lost / wall,
+    }
