@@ -174,7 +174,9 @@ def test_a_torn_snapshot_is_never_used(tmp_path: Path, tmp_path_factory: pytest.
     assert "not used" in (run_dir / "rank1.log").read_text() + (run_dir / "rank0.log").read_text()
 
 
-def test_a_step_written_by_two_attempts_is_never_mixed(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_step_written_by_two_attempts_is_never_mixed(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Rank 0's newest snapshot, both copies, says a later attempt wrote it (as when a restart
     wrote that step again on some ranks before it died): the other ranks' copies of the same step
     are another attempt's, so no attempt has the whole set and the run resumes from disk."""
