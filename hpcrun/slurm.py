@@ -258,6 +258,18 @@ def hostnames(node_list: str) -> list[str]:
     return ["scontrol", "show", "hostnames", node_list]
 
 
+def job_nodes(job: str) -> list[str]:
+    """The nodes a running job holds now: a node SLURM dropped from it (lost) is not among them."""
+    return ["squeue", "-h", "-j", job, "-o", "%N"]
+
+
+def on_each_node(nodes: list[str], command: list[str]) -> list[str]:
+    """One task of `command` on each of `nodes`, inside the current job beside its other steps."""
+    n = len(nodes)
+    return ["srun", "--overlap", f"--nodelist={','.join(nodes)}", f"--nodes={n}", f"--ntasks={n}",
+            "--ntasks-per-node=1", *command]
+
+
 def probe_node(node: str) -> list[str]:
     """A step of one task on `node` inside the current job (beside the step running this, hence
     --overlap): it ends in milliseconds on a live node; a lost node's slurmd never answers."""

@@ -27,6 +27,18 @@ def node_pids(node: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def snapshot_dirs(node: str, allocation_id: str, scratch: Path) -> list[str]:
+    """The job's in-memory snapshot directories (`hpcrun-<job>-<requeues>`) in the node-local
+    scratch of `node`, read through its slurmd's view of the filesystem (the node's tmpfs lives in
+    its mount namespace); none on a node that is off."""
+    for pid in node_pids(node):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_bytes().strip() == b"slurmd":
+                where = Path(f"/proc/{pid}/root") / scratch.relative_to("/")
+                return sorted(p.name for p in where.glob(f"hpcrun-{allocation_id}-*"))
+    return []
+
+
 def environ(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 import typing as tp
 from pathlib import Path
@@ -51,6 +52,15 @@ def wait_gone(job: str, attempt: int, timeout: float = 30) -> float:
         time.sleep(0.1)
     assert not faults.ranks_alive(job, 4, attempt=attempt), f"attempt {attempt} still has ranks after {timeout} s"
     return time.time()
+
+
+def wait_ended(job: str, timeout: float = 120) -> None:
+    """Until SLURM no longer lists the job (its batch script's exit has run)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and subprocess.run(
+        ["squeue", "-h", "-j", job], capture_output=True, text=True
+    ).stdout.strip():
+        time.sleep(0.5)
 
 
 def attempt_starts(tmp: Path, run_dir: Path) -> dict[int, tuple[int, float]]:
@@ -143,6 +153,13 @@ def test_restarts_in_job_exhausted_fall_back_to_a_requeue(tmp_path: Path, baseli
     ):
         time.sleep(0.2)
     faults.signal_rank(job, 1, signal.SIGKILL, attempt=1)
+    # held by SLURM before it starts again: this start's snapshots are gone from both nodes already
+    deadline = time.time() + 120
+    while time.time() < deadline and "REQUEUED" not in records(job):
+        time.sleep(0.5)
+    assert "REQUEUED" in records(job), records(job)
+    left = {node: faults.snapshot_dirs(node, job, LOCAL_SCRATCH) for node in faults.NODES}
+    assert not any(left.values()), f"snapshots left after the requeue: {left}"
     final = wait_done(run_dir, timeout=400)
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     assert records(job) == ["REQUEUED", "COMPLETED"], records(job)
@@ -186,6 +203,10 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     resumed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]["resumed_from"]
     assert resumed == "replica", rows(tmp_path, run_dir)[["restart_count", "reason", "resumed_from"]]
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
+    # the job's end cleared the nodes it held then (SLURM had dropped the lost one)
+    wait_ended(job)
+    left = {node: faults.snapshot_dirs(node, job, LOCAL_SCRATCH) for node in (first, spare)}
+    assert not any(left.values()), f"snapshots left after the job: {left}"
 
 
 def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, baseline: Path) -> None:

@@ -246,11 +246,11 @@ class Context:
         return self.measured.snapshot_stalls[-1]
 
     def close_snapshots(self, status: str) -> None:
-        """At the attempt's end: wait for the snapshot in flight; remove this run's snapshots once
-        no restart in this job can use them (the training finished, or no batch script restarts
-        it: `--site local`)."""
+        """At the end of an attempt that did not fail, remove this run's snapshots: no restart in
+        this job can use them (the training finished, or a stop requeues the job, which resumes
+        from disk). A stop abandons the snapshot in flight rather than wait for it."""
         if self.snapshots is not None:
-            self.snapshots.close(remove=status == "completed" or self.spec.scheduler != "slurm")
+            self.snapshots.close(abandon=status != "completed")
 
     def record_loss(self, loss: float) -> None:
         self.measured.losses.append(loss)

@@ -171,6 +171,7 @@ class Snapshots:
         self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
+        self._closed = False
         if env.local_rank == 0:  # an earlier start of this job left its snapshots here (a requeue ends the script)
             for n in range(env.requeues):
                 shutil.rmtree(rundir.snapshot_job_dir(scratch, env.allocation_id, n), ignore_errors=True)
@@ -354,6 +355,12 @@ class Snapshots:
         return self.stalls[-1]
 
     def _work(self) -> None:
+        # the lowest CPU priority: where the writer shares cores with the ranks (CPU training, a
+        # busy host) it takes their idle time, not their steps; a GPU node's idle cores are untouched
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # not allowed here: the thread keeps the process's priority
+            pass
         while True:
             pending, job = self._queue.get()
             try:
@@ -374,6 +381,8 @@ class Snapshots:
             rundir.trainer_state(tmp, self.env.rank).write_bytes(ckpt.serialise(state))
             if staged is not None:
                 engine.write_snapshot(staged, rundir.engine_state(tmp))
+            if self._closed:  # abandoned by a stop: its directories are being removed
+                return
             publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id,
                     attempt=self.env.restart_count)
             published = True
@@ -417,14 +426,14 @@ class Snapshots:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def close(self, remove: bool) -> None:
-        """With `remove` (the training finished, or no restart in this job can come): wait for
-        the snapshot in flight, then delete this rank's directories and, once empty, the job's.
-        Without, the snapshot in flight is abandoned, not waited for: a stop must fit in SLURM's
-        KillWait, a failed attempt's peers may be gone, and the newest complete step stays."""
-        if not remove:
-            return
-        self.wait()
+    def close(self, abandon: bool) -> None:
+        """Delete this rank's directories and, once empty, the job's: after the snapshot in flight
+        is done, or with `abandon` at once (a stop must fit in SLURM's KillWait; the background
+        thread stops at its next phase and the batch script's exit clears what it leaves)."""
+        if abandon:
+            self._closed = True
+        else:
+            self.wait()
         for rank in self._held:
             shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
         for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):

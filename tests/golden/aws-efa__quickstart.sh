@@ -29,12 +29,16 @@ export NCCL_SOCKET_IFNAME=enp71s0
 run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden
 
 # srun's messages (and exit status), kept aside for the failure step below, and the job's
-# node-local directories (removed on every node): removed however the script ends.
+# node-local directories: removed however the script ends, on every node the job still holds
+# (SLURM_JOB_NUM_NODES counts a node SLURM has since dropped, and srun would refuse the count).
 srun_stderr=$(mktemp)
 node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
+  held=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
+  count=$(scontrol show hostnames "$held" | wc -l)
   for dir in "${node_dirs[@]}"; do
-    timeout 60 srun --overlap --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" rm -rf "$dir" || true
+    timeout 60 srun --overlap --nodelist="$held" --nodes="$count" --ntasks="$count" --ntasks-per-node=1 \
+      rm -rf "$dir" || true
   done' EXIT
 
 # In-memory snapshots (checkpoint.memory_interval), node-local

@@ -36,7 +36,8 @@ export NCCL_SOCKET_IFNAME=hsn0
 run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden
 
 # srun's messages (and exit status), kept aside for the failure step below, and the job's
-# node-local directories (removed on every node): removed however the script ends.
+# node-local directories: removed however the script ends, on every node the job still holds
+# (SLURM_JOB_NUM_NODES counts a node SLURM has since dropped, and srun would refuse the count).
 srun_stderr=$(mktemp)
 node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
