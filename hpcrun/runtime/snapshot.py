@@ -355,12 +355,6 @@ class Snapshots:
         return self.stalls[-1]
 
     def _work(self) -> None:
-        # the lowest CPU priority: where the writer shares cores with the ranks (CPU training, a
-        # busy host) it takes their idle time, not their steps; a GPU node's idle cores are untouched
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # not allowed here: the thread keeps the process's priority
-            pass
         while True:
             pending, job = self._queue.get()
             try:
