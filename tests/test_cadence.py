@@ -53,8 +53,9 @@ def test_one_default_for_a_cpu_step_and_a_gpu_step(step_s: float, cost_s: float)
     assert saved[0] > FIRST_DECISION_STEPS
     gaps = [(b - a) * step_s for a, b in zip(saved, saved[1:])]
     assert cost_s * (len(saved) - 1) <= 0.0101 * (steps - saved[0]) * step_s
-    assert min(gaps) >= min(300.0, cost_s / 0.01) - step_s
-    assert max(gaps) <= max(300.0, cost_s / 0.01) + step_s
+    measured = gaps[1:]  # the first gap follows the estimate (1 GB: 5 s on CPU ranks), the rest the measured cost
+    assert min(measured) >= min(300.0, cost_s / 0.01) - step_s
+    assert max(measured) <= max(300.0, cost_s / 0.01) + step_s
 
 
 def test_the_cost_counts_the_steps_slowed_beside_the_background_half() -> None:
@@ -79,8 +80,8 @@ def test_a_snapshot_due_while_the_last_is_in_flight_is_skipped() -> None:
 
 
 def test_the_first_save_by_time_waits_for_its_estimated_cost() -> None:
-    """Before anything is measured the cost is estimated from the state's size: a 15.6 GB state
-    (1 s per GB) is first snapshotted no sooner than 100 x 15.6 s into the run."""
-    schedule = SaveSchedule(policy(), ENV, skips=True, state_bytes=lambda: 15.6e9)
-    saved = ran(schedule, 0.13, 0.6, round(2 * HOUR / 0.13))
-    assert saved[0] * 0.13 >= 1560 and "estimated" not in schedule.explanation
+    """Before anything is measured the cost is estimated from the state's size: 0.55 GB on CPU
+    ranks (5 s per GB) is first snapshotted no sooner than 100 x 2.75 s into the run."""
+    schedule = SaveSchedule(policy(), ENV, skips=True, state_bytes=lambda: 0.55e9)
+    saved = ran(schedule, 0.3, 3.1, round(2 * HOUR / 0.3))
+    assert saved[0] * 0.3 >= 275 and "estimated" not in schedule.explanation

@@ -118,7 +118,8 @@ def saves(spec: RunSpec, options: list[Option]) -> list[str]:
     state = staging_bytes(params, spec.world_size, own, 1) if own and own.stages_checkpoints else 12 * params
     kinds: list[tp.Literal["checkpoint", "snapshot"]] = ["checkpoint", "snapshot"] if spec.takes_snapshots else [
         "checkpoint"]
-    return [spec.cadence(kind).explain(estimated_cost_s(kind, state), measured=False) for kind in kinds]
+    cost = estimated_cost_s(state, accelerator=spec.gpus_per_node > 0)
+    return [spec.cadence(kind).explain(cost, measured=False) for kind in kinds]
 
 
 COMMANDS = [render, validate, plan_command]

@@ -70,7 +70,7 @@ class SaveSchedule:
     def decide(self, done: int, busy: bool) -> bool:
         """Collective, at a due step: whether to save now. Also plans the next decision."""
         measured = bool(self.costs)
-        cost = self.costs[-1] if measured else estimated_cost_s(self.policy.kind, self.state_bytes())
+        cost = self.costs[-1] if measured else estimated_cost_s(self.state_bytes(), self.env.device.type == "cuda")
         step_s = statistics.median(self._clean) if self._clean else 0.0
         any_busy, cost, step_s = self._agree(busy, cost, step_s)
         first, self._first = self._first, False
