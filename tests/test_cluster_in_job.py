@@ -85,6 +85,18 @@ def snapshot_step(run_dir: Path, job: str, ranks: list[tuple[int, str]]) -> int:
     return min(newest)
 
 
+def replica_step(pid: int, run_dir: Path, job: str, node: str) -> int:
+    """The newest step of which the first node (where `pid` runs) holds a complete copy of both
+    of `node`'s ranks (2 and 3): what a restart after losing `node` can resume from."""
+    scratch = Path(f"/proc/{pid}/root") / LOCAL_SCRATCH.relative_to("/")
+    job_dir = rundir.snapshot_job_dir(scratch, job, 0)
+    held = []
+    for rank in (2, 3):
+        copies = rundir.snapshot_rank_dir(job_dir, run_dir.name, faults.NODES[0], rank)
+        held.append(max((s for s, p in rundir.step_dirs(copies).items() if rundir.manifest(p).exists()), default=0))
+    return min(held)
+
+
 def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -> None:
     """SIGKILL to rank 3 of a 2-node x 2-rank job: the step starts again in the same allocation
     within seconds (no REQUEUED in sacct), the failed attempt's row names rank, node and signal,
@@ -181,13 +193,14 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
         checkpoint={**CHECKPOINT, "memory_interval": 2},
     )
     wait_checkpoint(run_dir)  # step 10 on disk
-    log = next((run_dir / "logs").glob("*_0_log.out"))
-    deadline = time.time() + 120
-    while time.time() < deadline and "step 13/30" not in log.read_text():  # a snapshot newer than the disk's
-        time.sleep(0.1)
     first, second = faults.NODES
     _, node = faults.rank_pid(job, 3, attempt=0)
     assert node == second, node  # ranks 2-3 on the second node; the batch script on the first
+    pid, _ = faults.rank_pid(job, 0, attempt=0)
+    deadline = time.time() + 120
+    while time.time() < deadline and replica_step(pid, run_dir, job, second) <= 10:
+        time.sleep(0.1)
+    assert replica_step(pid, run_dir, job, second) > 10, "no replica newer than the disk checkpoint"
     try:
         faults.power_off(second)
         final = wait_done(run_dir, timeout=300)
