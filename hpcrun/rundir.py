@@ -414,6 +414,17 @@ def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> P
     return Path(scratch) / f"hpcrun-{allocation_id}-{restart}"
 
 
+def snapshot_job_dirs(scratch: str | Path) -> dict[str, list[Path]]:
+    """Every job start's snapshot directory in `scratch` owned by this user, by SLURM job id."""
+    found: dict[str, list[Path]] = {}
+    for path in Path(scratch).glob("hpcrun-*-*"):
+        job, _, restart = path.name[len("hpcrun-"):].rpartition("-")
+        with contextlib.suppress(OSError):
+            if job.isdigit() and restart.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid():
+                found.setdefault(job, []).append(path)
+    return found
+
+
 def snapshot_rank_dir(job_dir: Path, run_id: str, node: str, rank: int) -> Path:
     """One rank's snapshots on node `node`, `<job dir>/<run id>/<node>/rank-NNNNN/`, each a
     checkpoint-like `step-N/` directory (`step_dir`, `partial_step_dir`, `manifest`, `engine_state`,

@@ -258,16 +258,9 @@ def hostnames(node_list: str) -> list[str]:
     return ["scontrol", "show", "hostnames", node_list]
 
 
-def job_nodes(job: str) -> list[str]:
-    """The nodes a running job holds now: a node SLURM dropped from it (lost) is not among them."""
-    return ["squeue", "-h", "-j", job, "-o", "%N"]
-
-
-def on_each_node(nodes: list[str], command: list[str]) -> list[str]:
-    """One task of `command` on each of `nodes`, inside the current job beside its other steps."""
-    n = len(nodes)
-    return ["srun", "--overlap", f"--nodelist={','.join(nodes)}", f"--nodes={n}", f"--ntasks={n}",
-            "--ntasks-per-node=1", *command]
+def my_allocations() -> list[str]:
+    """The job ids of every job of this user SLURM still knows, one per line."""
+    return ["squeue", "-h", "-u", user(), "-o", "%A"]
 
 
 def probe_node(node: str) -> list[str]:

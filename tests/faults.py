@@ -27,16 +27,20 @@ def node_pids(node: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def snapshot_dirs(node: str, allocation_id: str, scratch: Path) -> list[str]:
-    """The job's in-memory snapshot directories (`hpcrun-<job>-<requeues>`) in the node-local
-    scratch of `node`, read through its slurmd's view of the filesystem (the node's tmpfs lives in
-    its mount namespace); none on a node that is off."""
+def node_scratch(node: str, scratch: Path) -> Path | None:
+    """The node-local scratch of `node` as its slurmd sees it (the node's tmpfs lives in its
+    mount namespace: /proc/PID/root); None for a node that is off."""
     for pid in node_pids(node):
         with contextlib.suppress(OSError):
             if Path(f"/proc/{pid}/comm").read_bytes().strip() == b"slurmd":
-                where = Path(f"/proc/{pid}/root") / scratch.relative_to("/")
-                return sorted(p.name for p in where.glob(f"hpcrun-{allocation_id}-*"))
-    return []
+                return Path(f"/proc/{pid}/root") / scratch.relative_to("/")
+    return None
+
+
+def snapshot_dirs(node: str, allocation_id: str, scratch: Path) -> list[str]:
+    """The job's in-memory snapshot directories (`hpcrun-<job>-<requeues>`) on `node`."""
+    where = node_scratch(node, scratch)
+    return [] if where is None else sorted(p.name for p in where.glob(f"hpcrun-{allocation_id}-*"))
 
 
 def environ(pid: int) -> dict[str, str]:

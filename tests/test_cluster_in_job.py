@@ -100,7 +100,11 @@ def replica_step(pid: int, run_dir: Path, job: str, node: str) -> int:
 def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -> None:
     """SIGKILL to rank 3 of a 2-node x 2-rank job: the step starts again in the same allocation
     within seconds (no REQUEUED in sacct), the failed attempt's row names rank, node and signal,
-    and the weights are those of an uninterrupted run."""
+    and the weights are those of an uninterrupted run. Snapshots an ended job left on its nodes
+    (its batch shell killed before its exit ran) are swept by the next job there."""
+    for node in faults.NODES:  # job 1 ended long ago
+        leftover = tp.cast(Path, faults.node_scratch(node, LOCAL_SCRATCH)) / "hpcrun-1-0" / "run" / "rank-00000"
+        leftover.mkdir(parents=True, exist_ok=True)
     run_dir, job = submit(tmp_path, "in-job-kill")
     wait_checkpoint(run_dir)
     assert faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3]
@@ -128,9 +132,15 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     assert launched - gone <= REQUEUE_HOLD_S, f"the step started {launched - gone:.1f} s after the last rank left"
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
-    header, line = shown.splitlines()[-2:]
-    columns = dict(zip(header.split(), line.split()))
+    lines = shown.splitlines()
+    at = next(i for i, text in enumerate(lines) if text.startswith("RUN "))
+    columns = dict(zip(lines[at].split(), lines[at + 1].split()))
     assert (columns["RESTARTS"], columns["IN-JOB"]) == ("0", "1"), shown
+    # and, for one run, how it spaces its saves: the recipe's disk interval, snapshots by time
+    assert any(text.startswith("  checkpoints every 10 steps (the recipe's)") for text in lines[at + 2:]), shown
+    assert any(text.startswith("  snapshots every ") and "MTBF" in text for text in lines[at + 2:]), shown
+    left = {node: faults.snapshot_dirs(node, "1", LOCAL_SCRATCH) for node in faults.NODES}
+    assert not any(left.values()), f"an ended job's snapshots left on the nodes: {left}"
 
 
 def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -> None:

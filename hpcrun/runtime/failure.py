@@ -28,7 +28,7 @@ import signal
 import sys
 import typing as tp
 
-from hpcrun import jobstate, rundir, slurm
+from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError, ToolError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json, step_dirs, write_json
@@ -294,31 +294,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         with open(next_file, "w") as out:  # the batch script starts the step again on these nodes
             out.write(",".join(decided["restart"]) + "\n")
     elif decided.get("requeue"):
-        clear_snapshots(spec, lost, requeues)
         requeue(run_dir, job_id, restart, requeues)
     return decided.get("reason")
-
-
-CLEAR_TIMEOUT_S = 30  # a node that stopped answering holds the removal no longer than this
-
-
-def clear_snapshots(spec: RunSpec, lost: list[str], requeues: int) -> None:
-    """Before a requeue, remove this job start's in-memory snapshots on every node the job still
-    holds: the next start resumes from disk, and the batch script's exit comes too late (SLURM
-    starts no step in a job it is requeueing), so they would stay in the nodes' memory."""
-    allocation = os.environ.get("SLURM_JOB_ID")
-    if not spec.takes_snapshots or not allocation:
-        return
-    directory = rundir.snapshot_job_dir(spec.local_scratch, allocation, requeues)
-    try:
-        held = slurm.run(slurm.job_nodes(allocation))
-        nodes = [n for n in hostnames(held.stdout.strip()) if n not in lost] if held.stdout.strip() else []
-        if nodes:
-            done = slurm.run(slurm.on_each_node(nodes, ["rm", "-rf", str(directory)]), timeout=CLEAR_TIMEOUT_S)
-            if done.returncode != 0:
-                print(f"[hpcrun] snapshots not removed from {','.join(nodes)}: {one_line(done)}", file=sys.stderr)
-    except HpcrunError as exc:
-        print(f"[hpcrun] snapshots not removed: {exc.format_message()}", file=sys.stderr)
 
 
 def requeue(run_dir: RunDir | None, job: str, restart: int, requeues: int | None = None, last_try: bool = True) -> None:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrun import rundir, slurm
+from hpcrun.errors import HpcrunError
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.env import DistEnv
 
@@ -146,6 +147,29 @@ def peer_of(nodes: list[str], rank: int) -> int | None:
     return nxt[groups[index].index(rank) % len(nxt)]
 
 
+def sweep(scratch: Path, allocation_id: str, requeues: int) -> None:
+    """Remove what earlier job starts left in this node's scratch: this job's before its latest
+    requeue, and any job of this user SLURM no longer runs (a batch shell killed before its exit
+    cleared its nodes: a preemption past its grace time). Without SLURM's tools here (a container
+    without them), only this job's."""
+    for n in range(requeues):
+        shutil.rmtree(rundir.snapshot_job_dir(scratch, allocation_id, n), ignore_errors=True)
+    others = {job: paths for job, paths in rundir.snapshot_job_dirs(scratch).items() if job != allocation_id}
+    if not others:
+        return
+    try:
+        listed = slurm.run(slurm.my_allocations())
+    except HpcrunError:
+        return
+    if listed.returncode != 0:
+        return
+    running = set(listed.stdout.split())
+    for job, paths in others.items():
+        if job not in running:
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 Copy = tuple[int, int, int]
 """A snapshot copy: (rank, step, attempt that wrote it)."""
 
@@ -172,9 +196,8 @@ class Snapshots:
         self._worker: threading.Thread | None = None
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
         self._closed = False
-        if env.local_rank == 0:  # an earlier start of this job left its snapshots here (a requeue ends the script)
-            for n in range(env.requeues):
-                shutil.rmtree(rundir.snapshot_job_dir(scratch, env.allocation_id, n), ignore_errors=True)
+        if env.local_rank == 0:
+            sweep(scratch, env.allocation_id, env.requeues)
 
     def rank_dir(self, rank: int) -> Path:
         return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
