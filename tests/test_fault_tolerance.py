@@ -283,10 +283,13 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(
         dist.destroy_process_group()
 
 
-def test_host_stager_reuses_its_buffers() -> None:
-    """torch's stager copies a save's tensors into the host buffers of the previous save (what
-    keeps the stall short and host memory flat), and the copy is apart from training's tensors:
-    if a torch release stops caching by storage, this fails rather than the stall quietly growing."""
+@pytest.mark.parametrize("stager_of", ["host_stager", "ReusingStager"])
+def test_host_stager_reuses_its_buffers(stager_of: str) -> None:
+    """The stager of this torch (torch's DefaultStager from 2.13, hpcrun's ReusingStager before)
+    copies a save's tensors into the host buffers of the previous save (what keeps the stall short
+    and host memory flat), and the copy is apart from training's tensors: if a torch release stops
+    caching by storage, or cannot stage twice (2.11), this fails rather than a run at its second
+    save. ReusingStager is tested on every torch, the one it serves included."""
     import torch
 
     from hpcrun.runtime import checkpoint as ckpt
@@ -295,7 +298,7 @@ def test_host_stager_reuses_its_buffers() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 32)).sum().backward()
     optimizer.step()
-    stager = ckpt.host_stager()
+    stager = getattr(ckpt, stager_of)()
     first = stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
     staged = first["model"]["weight"].clone()
     buffers = (first["model"]["weight"].data_ptr(), first["optim"]["state"][0]["exp_avg"].data_ptr())
