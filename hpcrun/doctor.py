@@ -8,9 +8,10 @@ import re
 import shutil
 import subprocess
 import tempfile
+import typing as tp
 from pathlib import Path
 
-from hpcrun import jobstate, slurm
+from hpcrun import jobstate, slurm, torchrange
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir
 from hpcrun.site import Site
@@ -169,11 +170,48 @@ def login_checks(site: Site, script: str) -> list[Finding]:
     return found
 
 
+def torch_findings(run_dir: Path, reports: list[dict[str, tp.Any]], where: str) -> list[Finding]:
+    """The ranks' torch and where it stands against hpcrun's supported range, one finding per
+    version: from the probe's reports, and from the line a rank with a torch too old for hpcrun
+    writes to its log instead of running the probe (hpcrun.launch)."""
+    ranks: dict[str, set[int]] = {}
+    for r in reports:
+        if r.get("torch"):
+            ranks.setdefault(str(r["torch"]), set()).add(int(r["rank"]))
+    for log in sorted(RunDir(run_dir).logs.glob("*_log.*")):  # <job>_<rank>_log.{out,err}
+        for line in log.read_text(errors="replace").splitlines():
+            version = torchrange.refused_version(line.strip())
+            if version is not None:
+                ranks.setdefault(version, set()).add(int(log.name.split("_")[-2]))
+    found = []
+    for version, on in sorted(ranks.items()):
+        who = f"rank {min(on)}" if len(on) == 1 else f"{len(on)} ranks"
+        status = torchrange.verdict(version).status
+        if status == torchrange.OK:
+            found.append(Finding("ok", "torch", f"{version} on {who}: supported ({torchrange.SUPPORTED})"))
+        elif status == torchrange.NEWER:
+            found.append(
+                Finding(
+                    "warn", "torch", f"{version} on {who}: newer than hpcrun was tested on ({torchrange.SUPPORTED})",
+                    "runs, but checkpoints and snapshots are untested there",
+                )
+            )
+        else:
+            found.append(
+                Finding(
+                    "fail", "torch",
+                    f"{version} on {who}: not supported ({torchrange.SUPPORTED}), so ranks refuse to start",
+                    f"install {torchrange.REQUIREMENT} where the job runs (environment.setup or python in {where})",
+                )
+            )
+    return found
+
+
 def probe_findings(site: Site, run_dir: Path, job_state: str) -> list[Finding]:
-    """Findings from the ranks' reports: interface, per-node compute time, bus bandwidth."""
+    """Findings from the ranks' reports: interface, torch, per-node compute time, bus bandwidth."""
     reports = RunDir(run_dir).probe_reports()
     where = site.source or site.name
-    found = []
+    found = torch_findings(run_dir, reports, where)
     iface = site.network.interface
     missing = [r for r in reports if r.get("address") is None]
     for r in missing:

@@ -1,5 +1,8 @@
 """The task entry point inside the allocation: `python -m hpcrun.launch <run dir>`.
 
+A torch older than hpcrun supports (hpcrun.torchrange) is refused here, on every rank, with one
+line and exit status 2; one newer than tested gets a warning line and runs.
+
 The stop flag is installed before anything else is imported: SLURM may send USR2 as a task
 starts (up to its 30 s check period early, so a short or just-requeued job can get it at once),
 and the default action would kill the task instead of letting it checkpoint and requeue.
@@ -19,6 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpcrun.launch RUN_DIR", file=sys.stderr)
         return 2
+    import torch  # the rank imports it next anyway; first its version decides whether the rank runs
+
+    from hpcrun import torchrange
+
+    found = torchrange.verdict(torch.__version__)
+    if found.status == torchrange.REFUSED:  # one line, before the runtime imports what this torch may lack
+        print(found.message, file=sys.stderr, flush=True)
+        return 2
+    if found.status == torchrange.NEWER:
+        print(f"[hpcrun] warning: {found.message}", file=sys.stderr, flush=True)
     from hpcrun.rundir import RunDir
     from hpcrun.runtime.trainer import main as run_attempt
 

@@ -3,26 +3,48 @@ the test site with a wrong interface, which must be caught with a clear finding.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from hpcrun import torchrange
 from hpcrun.results import load
 from tests import pool
 from tests.runs import hpcrun, site_copy
+from tests.test_torchrange import older_torch
 
 
 @pytest.mark.slow
 def test_doctor_local(tmp_path: Path) -> None:
+    import torch  # the ranks' torch: this interpreter's
+
     site = site_copy(tmp_path)
     out = hpcrun("doctor", "--site", str(site))
     lines = out.stdout.splitlines()
     assert any(ln.startswith("ok    ranks: 2 ranks") for ln in lines), out.stdout
     assert any(ln.startswith("ok    all-reduce: gloo bus bandwidth") for ln in lines)
+    assert f"ok    torch: {torch.__version__} on 2 ranks: supported ({torchrange.SUPPORTED})" in lines, out.stdout
     assert not any(ln.startswith("fail") for ln in lines)
     row = load(tmp_path / "results", job_kind="doctor").iloc[0]
     assert dict(row["extra"])["busbw_gbs_peak"] > 0
+
+
+def test_doctor_names_a_torch_the_ranks_refuse(tmp_path: Path) -> None:
+    """Ranks with a torch older than hpcrun supports refuse to run the probe; doctor still names
+    that torch, from the line a refusing rank writes, and what to install. (The local controller
+    ends the other rank once one exits, so one or both ranks may have said it.)"""
+    site = site_copy(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrun.cli", "doctor", "--site", str(site)], capture_output=True, text=True,
+        env=older_torch(tmp_path), timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("fail  torch: ")]
+    assert line.startswith("fail  torch: 2.10.0+cu126 on ") and "not supported (2.11 to 2.13)" in line, line
+    assert line.endswith(f"install torch>=2.11 where the job runs (environment.setup or python in {site})")
 
 
 @pytest.mark.cluster

@@ -106,7 +106,13 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
 
 
 @pytest.mark.parametrize(
-    ("name", "world", "kill"), [("ddp", 4, True), ("fsdp", 4, False), ("zero3", 4, False), ("zero2", 4, False)]
+    ("name", "world", "kill"),
+    [
+        pytest.param("ddp", 4, True, marks=pytest.mark.oldest_torch),
+        ("fsdp", 4, False),
+        ("zero3", 4, False),
+        ("zero2", 4, False),
+    ],
 )
 def test_resume_bit_identical(name: str, world: int, kill: bool, tmp_path: Path) -> None:
     started = time.monotonic()

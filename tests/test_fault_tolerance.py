@@ -136,6 +136,7 @@ def test_save_killed_at_every_write(asynchronous: bool, tmp_path: Path, monkeypa
         dist.destroy_process_group()
 
 
+@pytest.mark.oldest_torch
 def test_asynchronous_save_holds_its_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Training goes on (weights and Adam moments change in place) while a save is written in
     the background: the checkpoint still holds the state of the step it was taken at, and it
@@ -283,10 +284,14 @@ def test_asynchronous_saves_keep_the_crc32_and_the_process_option(
         dist.destroy_process_group()
 
 
-def test_host_stager_reuses_its_buffers() -> None:
-    """torch's stager copies a save's tensors into the host buffers of the previous save (what
-    keeps the stall short and host memory flat), and the copy is apart from training's tensors:
-    if a torch release stops caching by storage, this fails rather than the stall quietly growing."""
+@pytest.mark.oldest_torch
+@pytest.mark.parametrize("stager_of", ["host_stager", "ReusingStager"])
+def test_host_stager_reuses_its_buffers(stager_of: str) -> None:
+    """The stager of this torch (torch's DefaultStager from 2.13, hpcrun's ReusingStager before)
+    copies a save's tensors into the host buffers of the previous save (what keeps the stall short
+    and host memory flat), and the copy is apart from training's tensors: if a torch release stops
+    caching by storage, or cannot stage twice (2.11), this fails rather than a run at its second
+    save. ReusingStager is tested on every torch, the one it serves included."""
     import torch
 
     from hpcrun.runtime import checkpoint as ckpt
@@ -295,7 +300,7 @@ def test_host_stager_reuses_its_buffers() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 32)).sum().backward()
     optimizer.step()
-    stager = ckpt.host_stager()
+    stager = getattr(ckpt, stager_of)()
     first = stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
     staged = first["model"]["weight"].clone()
     buffers = (first["model"]["weight"].data_ptr(), first["optim"]["state"][0]["exp_avg"].data_ptr())
@@ -309,7 +314,7 @@ def test_host_stager_reuses_its_buffers() -> None:
     stager.close()
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["ddp", pytest.param("fsdp", marks=pytest.mark.oldest_torch)])
 def test_checkpoint_loads_at_another_world_size(name: str, tmp_path: Path) -> None:
     """A 2-rank checkpoint resumed by 1 rank (same global batch) continues the same curve."""
     site = site_copy(tmp_path)

@@ -132,7 +132,7 @@ def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: 
     return dict(row)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.oldest_torch), "fsdp"])
 def test_lost_node_resumes_from_the_replica(
     strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -31,11 +31,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 
-from hpcrun import __version__, rundir
+from hpcrun import __version__, rundir, torchrange
 from hpcrun.rundir import CorruptStateError, RunDir, atomic_path, atomic_write, fsync_dir, read_json
 from hpcrun.runtime.env import DistEnv
 
 WRITER_THREADS = 4  # copy + write against the disk: 2 threads 0.48, 4 threads 0.63, 8 threads 0.29 (RESULTS.md)
+# From this release DefaultStager stages again and again into its host buffers. 2.11's closes its
+# copier after every stage (dropping its buffers and its copy table: the second stage raised
+# `KeyError: <class 'type'>`, reducing the state dict's own class); 2.12 was not tried.
+DEFAULT_STAGER_REUSABLE = (2, 13)
 
 
 def complete(root: Path) -> list[tuple[int, Path]]:
@@ -88,10 +92,16 @@ def host_stager(sharded_tensors: bool = False) -> AsyncStager:
     FSDP's sharded state dicts hold ShardedTensors, which DefaultStager cannot copy (it asks them
     for a `data_ptr`): those go through BlockingAsyncStager, which reuses pinned buffers where
     CUDA is available and, since it always pins what it caches, copies into fresh host buffers
-    on CPU-only torch."""
+    on CPU-only torch.
+
+    Before DEFAULT_STAGER_REUSABLE, DefaultStager cannot stage twice, so plain tensors go through
+    ReusingStager: the same one copy per save into reused host buffers, hpcrun's own."""
     cuda = torch.cuda.is_available()
     if sharded_tensors:
         return BlockingAsyncStager(cache_staged_state_dict=cuda)
+    found = torchrange.release(torch.__version__)
+    if found is not None and found < DEFAULT_STAGER_REUSABLE:
+        return ReusingStager()
     options = StagingOptions(
         use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
     )
@@ -116,6 +126,25 @@ def copy_into(source: tp.Any, buffers: tp.Any) -> tp.Any:
         olds = list(buffers) if same else [None] * len(source)
         return type(source)(copy_into(value, old) for value, old in zip(source, olds))
     return copy.deepcopy(source)
+
+
+class ReusingStager(AsyncStager):
+    """An asynchronous save's stager for state dicts of plain tensors: `stage` copies the state
+    into the previous save's host buffers (`copy_into`) and returns them, the copy done. Reuse is
+    safe for the reason DefaultStager's is: a save starts only after the previous one is written."""
+
+    def __init__(self) -> None:
+        self._buffers: tp.Any = None
+
+    def stage(self, state_dict: dict[str, tp.Any]) -> dict[str, tp.Any]:
+        self._buffers = copy_into(state_dict, self._buffers)
+        return tp.cast(dict[str, tp.Any], self._buffers)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: `stage` returns once its copy is done."""
+
+    def close(self) -> None:
+        self._buffers = None
 
 
 class DcpWriter(FileSystemWriter):
