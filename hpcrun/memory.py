@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from hpcrun.plan import RunSpec
+from hpcrun.sizes import LOSS_CHUNK_TOKENS
 from hpcrun.strategies import Option, planner_options
 
 GB = 1e9  # the paper's unit
@@ -102,10 +103,12 @@ def saved_activation_bytes(spec: RunSpec, micro_batch: int | None = None, scores
 
 def activation_bytes(spec: RunSpec, micro_batch: int | None = None, scores: bool = False) -> float:
     """Activations at the peak, the start of backward: what autograd keeps, plus the two fp32
-    vocabulary-wide gradients (8V per token) the loss's backward holds at once."""
+    vocabulary-wide gradients (8V per token) the loss's backward holds at once, for the whole
+    micro-batch on CPU and for one chunk of LOSS_CHUNK_TOKENS on a GPU (chunked_cross_entropy)."""
     assert spec.size is not None, "the planner knows the built-in model only"
     tokens = (micro_batch or spec.recipe.training.micro_batch) * spec.recipe.training.seq_len
-    return saved_activation_bytes(spec, micro_batch, scores) + tokens * 8 * spec.size.vocab
+    in_backward = min(tokens, LOSS_CHUNK_TOKENS) if spec.partition_spec.gpu else tokens
+    return saved_activation_bytes(spec, micro_batch, scores) + in_backward * 8 * spec.size.vocab
 
 
 @dataclasses.dataclass(frozen=True)
