@@ -107,8 +107,9 @@ def plan_command(site_name: str, recipe: Path) -> None:
     best, why = recommend(rows)
     click.echo(f"recommended: {why}" if best else why)
     if best:
-        largest = largest_micro_batch(spec, best.option)
-        click.echo(f"largest micro-batch that fits with {best.option.name}: {largest} (the recipe's: {mb})")
+        largest = largest_micro_batch(spec, best.option, limit=4096)
+        shown = f"{largest} or more" if largest == 4096 else str(largest)  # the search stops there
+        click.echo(f"largest micro-batch that fits with {best.option.name}: {shown} (the recipe's: {mb})")
     if peaks:
         click.echo(f"measured: the largest peak_memory_bytes of this site's runs of this shape ({spec.results_dir})")
 
