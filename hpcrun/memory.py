@@ -8,7 +8,9 @@ weights; FSDP's FULL_SHARD is stage 3, SHARD_GRAD_OP stage 2, HYBRID_SHARD stage
 Activations are what autograd keeps for the built-in GPT (hpcrun.runtime.model), counted per layer
 and token the way Korthikanti et al. 2022 count theirs, but for this model's kernels: its
 `scaled_dot_product_attention` runs flash or memory-efficient kernels (CUDA, and flash on CPU),
-which keep no s x s score matrix, so their 5·a·s term is gone; tests/test_memory.py measures it.
+which keep no s x s score matrix, so their 5·a·s term is gone; tests/test_activations.py measures
+it. On top: autocast's 16-bit copy of DDP's fp32 weights, and the loss's buffers; FSDP's gradients,
+freed by zero_grad, never coexist with a forward's activations.
 """
 
 from __future__ import annotations
