@@ -32,3 +32,19 @@ def test_adamw_fuses_only_on_cuda() -> None:
     assert cpu.defaults["fused"] is None and cpu.defaults["betas"] == (0.9, 0.95)
     if torch.cuda.is_available():
         assert adamw([torch.nn.Parameter(torch.zeros(3, device="cuda"))], lr=1e-3).defaults["fused"] is True
+
+
+def test_compiled_blocks_compute_what_eager_ones_do() -> None:
+    """`training.compile` compiles each block in place: the same state-dict names (checkpoints load
+    either way) and, through the eager backend (no code generation: fast), the same numbers."""
+    from hpcrun.runtime.model import GPT
+    from hpcrun.sizes import SIZES
+
+    torch.manual_seed(0)
+    eager = GPT(SIZES["tiny"], 16)
+    compiled = GPT(SIZES["tiny"], 16)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_blocks(backend="eager")
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    tokens = torch.randint(0, SIZES["tiny"].vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(compiled(tokens, tokens), eager(tokens, tokens))

@@ -34,6 +34,8 @@ def builtin_benchmark(
     meta = ctx.spec.strategy.init_on_meta() and not ctx.spec.init_weights
     with torch.device("meta") if meta else torch.device("cpu"):
         model = GPT(size, training.seq_len, training.activation_checkpointing)
+    if training.compile:
+        model.compile_blocks()
     engine = ctx.setup(model, lambda params: adamw(params, training.lr))
     mb, accum = training.micro_batch, training.grad_accum
     for step in ctx.steps():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing as tp
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,12 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(size) for _ in range(size.layers))
         self.ln = nn.LayerNorm(size.hidden)
         self.reset_parameters()
+
+    def compile_blocks(self, **options: tp.Any) -> None:
+        """torch.compile each block's forward in place (`options` go to torch.compile): the blocks are
+        one code object, compiled once, and the state dict's names, so checkpoints, stay as they are."""
+        for block in self.blocks:
+            block.compile(**options)
 
     def reset_parameters(self) -> None:
         for name, module in self.named_modules():
