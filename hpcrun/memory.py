@@ -5,8 +5,12 @@ mixed-precision Adam each parameter costs 2 bytes (fp16/bf16 weights) + 2 (gradi
 (fp32 master weights, momentum, variance); fp32 training costs 4 + 4 + 8. ZeRO stage 1 divides
 the optimizer states by the data-parallel degree N, stage 2 also the gradients, stage 3 also the
 weights; FSDP's FULL_SHARD is stage 3, SHARD_GRAD_OP stage 2, HYBRID_SHARD stage 3 within a node.
-Activations of the built-in GPT follow Korthikanti et al. 2022 (per layer and token:
-34·h + 5·a·s bytes at 16 bits, or only the 2·h-byte layer input with activation checkpointing).
+Activations are what autograd keeps for the built-in GPT (hpcrun.runtime.model), counted per layer
+and token the way Korthikanti et al. 2022 count theirs, but for this model's kernels: its
+`scaled_dot_product_attention` runs flash or memory-efficient kernels (CUDA, and flash on CPU),
+which keep no s x s score matrix, so their 5·a·s term is gone; tests/test_activations.py measures
+it. On top: autocast's 16-bit copy of DDP's fp32 weights, and the loss's buffers; FSDP's gradients,
+freed by zero_grad, never coexist with a forward's activations.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from hpcrun.plan import RunSpec
+from hpcrun.sizes import LOSS_CHUNK_TOKENS
 from hpcrun.strategies import Option, planner_options
 
 GB = 1e9  # the paper's unit
@@ -37,6 +42,12 @@ def model_state_bytes(params: float, n: int, option: Option, mixed: bool, per_no
     return weights + grads + optim, 0.0
 
 
+def grad_bytes(params: float, n: int, option: Option, mixed: bool, per_node: int = 1) -> float:
+    """The gradients' share of model_state_bytes on each GPU."""
+    group = min(n, per_node) if option.shard_params == "node" else n
+    return (2 if mixed else 4) * params / (group if option.shard_grads else 1)
+
+
 def staging_bytes(params: float, n: int, option: Option, per_node: int) -> float:
     """Host memory per node an asynchronous DCP save (DDP, FSDP) copies each rank's state into:
     fp32 weights and Adam's two moments, 12 bytes per parameter, as sharded as the weights."""
@@ -58,15 +69,48 @@ def snapshot_bytes(params: float, n: int, option: Option, per_node: int, nodes: 
     return copies * staging_bytes(params, n, option, holders)
 
 
-def activation_bytes(spec: RunSpec) -> float:
-    """Activations of the built-in GPT for one micro-batch, plus the fp32 logits of the loss."""
+def layer_activation_bytes(hidden: int, heads: int, seq_len: int, mixed: bool, scores: bool = False) -> float:
+    """Bytes autograd keeps per token for one block. Under autocast (mixed) the residual stream and
+    both LayerNorm inputs stay fp32 (4h each, plus 8 for mean and rstd), the 16-bit copies feeding
+    qkv and fc 2h each, q, k, v 6h, the attention output 2h (the proj input is a view of it) and its
+    fp32 log-sum-exp 4 per head, the GELU input and output 8h each: 36h + 4a + 16. In fp32 every
+    16-bit tensor doubles: 64h + 4a + 16. `scores`: SDPA's math fallback keeps the fp32 softmax
+    (4·a·s) instead of the log-sum-exp, and its own copies of q, k, v: as measured on CPU, 6h more
+    under autocast (it upcasts them to fp32), 4h less in fp32."""
+    per = (36 if mixed else 64) * hidden + 4 * heads + 16
+    if scores:
+        per += 4 * heads * seq_len - 4 * heads + (6 if mixed else -4) * hidden
+    return float(per)
+
+
+def loss_bytes(hidden: int, vocab: int, mixed: bool) -> float:
+    """Bytes autograd keeps per token for the final LayerNorm, the tied output projection and the
+    loss: the norm's fp32 input (4h + 8), the projection's input (2h, or 4h in fp32), the int64
+    target and the fp32 log-softmax cross-entropy keeps (4V)."""
+    return float(4 * hidden + 8 + (2 if mixed else 4) * hidden + 8 + 4 * vocab)
+
+
+def saved_activation_bytes(spec: RunSpec, micro_batch: int | None = None, scores: bool = False) -> float:
+    """What autograd keeps for one micro-batch (the recipe's, or `micro_batch`) of the built-in GPT
+    at the end of its forward; `scores` for SDPA's math fallback (see layer_activation_bytes)."""
     t = spec.recipe.training
     size = spec.size
     assert size is not None, "the planner knows the built-in model only"
-    tokens = t.micro_batch * t.seq_len
-    per_layer = 2 * size.hidden if t.activation_checkpointing else 34 * size.hidden + 5 * size.heads * t.seq_len
-    scale = 1 if spec.recipe.precision != "fp32" else 2  # the formula counts 16-bit activations
-    return size.layers * tokens * per_layer * scale + tokens * size.vocab * 4
+    mixed = spec.recipe.precision != "fp32"
+    block = layer_activation_bytes(size.hidden, size.heads, t.seq_len, mixed, scores)
+    # with activation checkpointing each block keeps its fp32 input, and one block's activations live again
+    layers = size.layers * 4 * size.hidden + block if t.activation_checkpointing else size.layers * block
+    return (micro_batch or t.micro_batch) * t.seq_len * (layers + loss_bytes(size.hidden, size.vocab, mixed))
+
+
+def activation_bytes(spec: RunSpec, micro_batch: int | None = None, scores: bool = False) -> float:
+    """Activations at the peak, the start of backward: what autograd keeps, plus the two fp32
+    vocabulary-wide gradients (8V per token) the loss's backward holds at once, for the whole
+    micro-batch on CPU and for one chunk of LOSS_CHUNK_TOKENS on a GPU (chunked_cross_entropy)."""
+    assert spec.size is not None, "the planner knows the built-in model only"
+    tokens = (micro_batch or spec.recipe.training.micro_batch) * spec.recipe.training.seq_len
+    in_backward = min(tokens, LOSS_CHUNK_TOKENS) if spec.partition_spec.gpu else tokens
+    return saved_activation_bytes(spec, micro_batch, scores) + in_backward * 8 * spec.size.vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +125,9 @@ class Estimate:
     snapshot_gb_per_node: float = 0.0  # in-memory snapshots' share of cpu_gb_per_node (node-local tmpfs)
 
 
-def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimate]:
-    """Every option (or those `weighed`) for `spec`'s model on its partition, with whether it
-    fits and why not."""
+def estimate(spec: RunSpec, weighed: list[Option] | None = None, micro_batch: int | None = None) -> list[Estimate]:
+    """Every option (or those `weighed`) for `spec`'s model on its partition (at the recipe's
+    micro-batch, or `micro_batch`), with whether it fits and why not."""
     part = spec.partition_spec
     t = spec.recipe.training
     size = spec.size
@@ -91,7 +135,7 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
     params = size.parameters(t.seq_len)
     n, per_node = spec.world_size, spec.ranks_per_node
     mixed = spec.recipe.precision != "fp32"
-    activations = activation_bytes(spec)
+    activations = activation_bytes(spec, micro_batch)
     gpu_cap = part.gpu.memory_gb * GB if part.gpu else part.memory_gb * GB / per_node
     host_cap = part.memory_gb * GB
     nvme = spec.nvme
@@ -101,7 +145,12 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None) -> list[Estimat
         on_gpu, moved = model_state_bytes(params, n, option, mixed, per_node)
         ds = option.library_estimate(params, largest, per_node, spec.nodes) if option.library_estimate else None
         # fit against the larger of the two accountings: DeepSpeed's counts what it allocates
-        gpu = max(on_gpu, ds[1] if ds else 0.0) + activations
+        # autocast over fp32 weights keeps a 16-bit copy of every weight for the step
+        casts = 2 * params if mixed and option.casts_weights else 0.0
+        states = max(on_gpu, ds[1] if ds else 0.0) + casts
+        # gradients freed by zero_grad (FSDP) come back as activations go: the peak holds one or the other
+        grads = grad_bytes(params, n, option, mixed, per_node) if option.frees_grads and on_gpu else 0.0
+        gpu = states - grads + max(activations, grads)
         cpu = max(
             moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0
         )
@@ -163,6 +212,22 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
     if later:
         why += f"; {', '.join(later)} would not ({next(e.why for e in estimates if e.option.name == later[-1])})"
     return best, why + "; the fitting option with the least communication"
+
+
+def largest_micro_batch(spec: RunSpec, option: Option, limit: int = 4096) -> int:
+    """The largest micro-batch at which `option` fits `spec`'s partition (0: not even one sample)."""
+
+    def fits(mb: int) -> bool:
+        return estimate(spec, [option], mb)[0].fits
+
+    low, high = 0, 1  # fits(low) (0 trivially), and the search doubles `high` until it does not
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def misfit(spec: RunSpec) -> str | None:

@@ -92,6 +92,10 @@ class Training(Frozen):
     activation_checkpointing: bool = False
     warmup_steps: int = pydantic.Field(default=2, ge=0)
     log_interval: int = pydantic.Field(default=10, ge=1)
+    compile: bool = False
+    """The built-in benchmark's blocks through torch.compile (fused LayerNorm, GELU and residual
+    adds on a GPU). Off by default: it costs start-up time, and changes the numbers of the eager
+    runs a comparison or an exact resume is made against."""
 
 
 class Checkpoint(Frozen):

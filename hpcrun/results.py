@@ -69,6 +69,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "zero_stage": I,
     "offload_optimizer": S,
     "offload_param": S,
+    "plan_option": S,  # the memory planner's name for the layout (hpcrun plan): ddp, fsdp-full, zero3-nvme, ...
     "precision": S,
     "job_kind": S,
     "model": S,
@@ -77,6 +78,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "grad_accum": I,
     "global_batch": I,
     "seq_len": I,
+    "activation_checkpointing": I,  # 0 or 1
     "steps": I,
     "seed": I,
     "job_id": S,

@@ -32,6 +32,9 @@ class GPTSize:
         return 6 * self.parameters(seq_len) + 12 * self.layers * self.hidden * seq_len
 
 
+# rows of each cross-entropy on a GPU: its vocabulary-wide fp32 buffers hold this many tokens, not the batch
+LOSS_CHUNK_TOKENS = 1024
+
 SIZES: dict[str, GPTSize] = {
     "tiny": GPTSize(layers=2, hidden=64, heads=4, vocab=512),
     "small": GPTSize(layers=4, hidden=256, heads=4, vocab=8192),

@@ -83,7 +83,7 @@ def test_planner_skips_points_that_do_not_fit(tmp_path: Path) -> None:
         )
     )
     reasons = {p.label: p.skipped for p in points(load_site("mycluster"), load_recipe(recipe), "sid")}
-    assert reasons["strategy=ddp"] == "planner: ddp needs 206.9 GB per GPU, has 80", reasons
+    assert reasons["strategy=ddp"] == "planner: ddp needs 234.3 GB per GPU, has 80", reasons
     assert reasons["strategy=name=deepspeed,stage=3"] is None
 
 

@@ -65,7 +65,8 @@ def plan_command(site_name: str, recipe: Path) -> None:
     """Memory per GPU, host and NVMe for each strategy on the site; which fit, and which to use."""
     from tabulate import tabulate
 
-    from hpcrun.memory import estimate, recommend
+    from hpcrun.measured import measured_peaks
+    from hpcrun.memory import GB, Estimate, estimate, largest_micro_batch, recommend
     from hpcrun.plan import plan
     from hpcrun.recipe import load_recipe
     from hpcrun.site import load_site
@@ -77,16 +78,24 @@ def plan_command(site_name: str, recipe: Path) -> None:
             "the planner knows the built-in benchmark's model only (job.kind: benchmark)", recipe, "job.kind"
         )
     spec = plan(site, recipe_file.base, recipe, "plan")
+    mb = spec.recipe.training.micro_batch
     rows = estimate(spec)
     spares = f"; +{spec.spare_nodes} spare node(s), held idle for the job" if spec.spare_nodes else ""
     click.echo(
         f"{recipe_file.base.job.model} on {spec.nodes} x {spec.ranks_per_node} of {site.name}/{spec.partition} "
         f"({spec.recipe.precision}{spares}):"
     )
+    peaks = measured_peaks(spec)
+
+    def measured(e: Estimate) -> list[str]:
+        peak = peaks.get(e.option.name)
+        return ["", ""] if peak is None else [f"{peak / GB:.1f}", f"{e.gpu_gb * GB / peak - 1:+.0%}"]
+
     table = [
         [
             e.option.name,
             f"{e.gpu_gb:.1f}",
+            *(measured(e) if peaks else []),
             "" if e.deepspeed_gpu_gb is None else f"{e.deepspeed_gpu_gb:.1f}",
             f"{e.cpu_gb_per_node:.0f}",
             f"{e.snapshot_gb_per_node:.2g}",
@@ -96,11 +105,18 @@ def plan_command(site_name: str, recipe: Path) -> None:
         ]
         for e in rows
     ]
-    headers = ["strategy", "GPU GB", "DeepSpeed est. states GB", "host GB/node", "snapshots GB/node", "NVMe GB/node"]
-    headers += ["fits", "why not"]
+    headers = ["strategy", "GPU GB", *(["measured GB", "planned vs measured"] if peaks else [])]
+    headers += ["DeepSpeed est. states GB"]
+    headers += ["host GB/node", "snapshots GB/node", "NVMe GB/node", "fits", "why not"]
     click.echo(tabulate(table, headers=headers, tablefmt="simple"))
     best, why = recommend(rows)
     click.echo(f"recommended: {why}" if best else why)
+    if best:
+        largest = largest_micro_batch(spec, best.option, limit=4096)
+        shown = f"{largest} or more" if largest == 4096 else str(largest)  # the search stops there
+        click.echo(f"largest micro-batch that fits with {best.option.name}: {shown} (the recipe's: {mb})")
+    if peaks:
+        click.echo(f"measured: the largest peak_memory_bytes of this site's runs of this shape ({spec.results_dir})")
     for line in saves(spec, [e.option for e in rows]):
         click.echo(line)
 

@@ -67,10 +67,12 @@ def plan_row(spec: RunSpec, job_id: str, restart: int, node_list: str | None) ->
         "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "world_size": spec.world_size,  # not torchrun tasks
         "gpu_model": spec.gpu_model, "interconnect": spec.interconnect,
         "strategy": spec.strategy.name, **spec.strategy.result_columns(),
+        "plan_option": spec.strategy.memory_option().name if size else None,
         "precision": recipe.precision, "job_kind": recipe.job.kind, "model": spec.model,
         "parameters": size.parameters(t.seq_len) if size else None,
         "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "global_batch": global_batch(spec),
-        "seq_len": t.seq_len, "steps": t.steps, "seed": t.seed,
+        "seq_len": t.seq_len, "activation_checkpointing": int(t.activation_checkpointing), "steps": t.steps,
+        "seed": t.seed,
         "job_id": job_id, "node_list": node_list, "restart_count": restart,
         "hpcrun_version": __version__, "git_sha": spec.git_sha, "site_hash": spec.site_hash,
         "recipe_hash": _hash(recipe.model_dump_json()),

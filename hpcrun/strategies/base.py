@@ -33,6 +33,10 @@ class Option:
     stages_checkpoints: bool = True  # an asynchronous save copies the rank's state into host memory first
     # every rank holds the same state (DDP): an in-memory snapshot keeps one copy per node, not per rank
     one_snapshot_per_node: bool = False
+    # fp32 weights under autocast (DDP): a 16-bit copy of each weight lives through the step
+    casts_weights: bool = False
+    # gradients live from backward to zero_grad(set_to_none) only (FSDP), not through the forward
+    frees_grads: bool = False
     # the library's own estimator of model-state memory, (host bytes per node, GPU bytes) from
     # (parameters, largest layer, ranks per node, nodes), where it has one
     library_estimate: tp.Callable[[int, int, int, int], tuple[float, float]] | None = dataclasses.field(

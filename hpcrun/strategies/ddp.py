@@ -13,7 +13,9 @@ if tp.TYPE_CHECKING:
     from hpcrun.site import Partition, Site
     from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
-REPLICATED = Option("ddp", {"name": "ddp"}, "none", False, False, order=0, one_snapshot_per_node=True)
+REPLICATED = Option(
+    "ddp", {"name": "ddp"}, "none", False, False, order=0, one_snapshot_per_node=True, casts_weights=True
+)
 
 
 class DDP(Strategy):

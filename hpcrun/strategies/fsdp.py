@@ -18,11 +18,17 @@ if tp.TYPE_CHECKING:
     from hpcrun.strategies.contract import Engine, OptimizerFactory, Settings
 
 OPTIONS = {
-    "grad_op": Option("fsdp-grad_op", {"name": "fsdp", "sharding": "grad_op"}, "none", True, True, order=3),
-    "hybrid": Option("fsdp-hybrid", {"name": "fsdp", "sharding": "hybrid"}, "node", True, True, order=4),
-    "full": Option("fsdp-full", {"name": "fsdp", "sharding": "full"}, "all", True, True, order=5),
+    "grad_op": Option(
+        "fsdp-grad_op", {"name": "fsdp", "sharding": "grad_op"}, "none", True, True, order=3, frees_grads=True
+    ),
+    "hybrid": Option(
+        "fsdp-hybrid", {"name": "fsdp", "sharding": "hybrid"}, "node", True, True, order=4, frees_grads=True
+    ),
+    "full": Option(
+        "fsdp-full", {"name": "fsdp", "sharding": "full"}, "all", True, True, order=5, frees_grads=True
+    ),
     # DDP's layout, but every FSDP rank snapshots its own state
-    "no_shard": dataclasses.replace(REPLICATED, one_snapshot_per_node=False),
+    "no_shard": dataclasses.replace(REPLICATED, one_snapshot_per_node=False, frees_grads=True),
 }
 
 
