@@ -141,8 +141,13 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None, micro_batch: in
     nvme = spec.nvme
     out = []
     largest = max(size.vocab * size.hidden, 4 * size.hidden * size.hidden)
+    # the `heavy` stand-in's frozen fp32 state: held as weights are, staged and snapshotted as 1/12 of
+    # a trained parameter's 12 bytes
+    frozen = float(size.ballast_mb * 2**20)
     for option in options() if weighed is None else weighed:
         on_gpu, moved = model_state_bytes(params, n, option, mixed, per_node)
+        on_gpu += frozen / (1 if option.shard_params == "none" else min(n, per_node) if option.shard_params == "node"
+                            else n)
         ds = option.library_estimate(params, largest, per_node, spec.nodes) if option.library_estimate else None
         # fit against the larger of the two accountings: DeepSpeed's counts what it allocates
         # autocast over fp32 weights keeps a 16-bit copy of every weight for the step
@@ -154,10 +159,11 @@ def estimate(spec: RunSpec, weighed: list[Option] | None = None, micro_batch: in
         cpu = max(
             moved * per_node if option.offload == "cpu" else 0.0, ds[0] if ds and option.offload == "cpu" else 0.0
         )
-        staged = staging_bytes(params, n, option, per_node) if spec.recipe.checkpoint.asynchronous else 0.0
+        asynchronous = spec.recipe.checkpoint.asynchronous
+        staged = staging_bytes(params + frozen / 12, n, option, per_node) if asynchronous else 0.0
         cpu += staged
         snapshots = (
-            snapshot_bytes(params, n, option, per_node, spec.nodes) if spec.takes_snapshots else 0.0
+            snapshot_bytes(params + frozen / 12, n, option, per_node, spec.nodes) if spec.takes_snapshots else 0.0
         )
         cpu += snapshots
         disk = moved * per_node if option.offload == "nvme" else 0.0

@@ -130,7 +130,7 @@ def saves(spec: RunSpec, options: list[Option]) -> list[str]:
     assert spec.size is not None, "the planner knows the built-in model only"
     fields = spec.strategy.model_dump()
     own = next((o for o in options if all(fields.get(k) == v for k, v in o.recipe.items())), None)
-    params = spec.size.parameters(spec.recipe.training.seq_len)
+    params = spec.size.parameters(spec.recipe.training.seq_len) + spec.size.ballast_mb * 2**20 / 12
     state = staging_bytes(params, spec.world_size, own, 1) if own and own.stages_checkpoints else 12 * params
     kinds: list[tp.Literal["checkpoint", "snapshot"]] = ["checkpoint", "snapshot"] if spec.takes_snapshots else [
         "checkpoint"]
