@@ -43,17 +43,18 @@ class Policy:
     max_s: float
     """The longest interval when the cost allows it."""
 
+    def young_daly_s(self, cost_s: float) -> float:
+        return math.sqrt(2 * max(cost_s, 0.0) * self.mtbf_s)
+
     def interval_s(self, cost_s: float) -> float:
         """Seconds between saves that each cost `cost_s`."""
-        young_daly = math.sqrt(2 * max(cost_s, 0.0) * self.mtbf_s)
-        return max(cost_s / self.overhead, min(young_daly, self.max_s))
+        return max(cost_s / self.overhead, min(self.young_daly_s(cost_s), self.max_s))
 
     def explain(self, cost_s: float, measured: bool) -> str:
         """One line: the interval chosen and why (`plan`, `status`, the rank's log)."""
         if self.steps is not None:
             return f"{self.kind}s every {self.steps} steps (the recipe's)"
-        interval = self.interval_s(cost_s)
-        young_daly = math.sqrt(2 * max(cost_s, 0.0) * self.mtbf_s)
+        interval, young_daly = self.interval_s(cost_s), self.young_daly_s(cost_s)
         if interval > min(young_daly, self.max_s):
             why = f"so that they take at most {100 * self.overhead:g}% of the time"
         elif young_daly > self.max_s:

@@ -260,7 +260,7 @@ def hostnames(node_list: str) -> list[str]:
 
 def my_allocations() -> list[str]:
     """The job ids of every job of this user SLURM still knows, one per line."""
-    return ["squeue", "-h", "-u", user(), "-o", "%A"]
+    return ["squeue", "-h", "-a", "-u", user(), "-o", "%A"]  # -a: hidden partitions' jobs too
 
 
 def probe_node(node: str) -> list[str]:

@@ -85,3 +85,17 @@ def test_the_first_save_by_time_waits_for_its_estimated_cost() -> None:
     schedule = SaveSchedule(policy(), ENV, skips=True, state_bytes=lambda: 0.55e9)
     saved = ran(schedule, 0.3, 3.1, round(2 * HOUR / 0.3))
     assert saved[0] * 0.3 >= 275 and "estimated" not in schedule.explanation
+
+
+def test_a_restart_from_memory_keeps_the_disk_clock() -> None:
+    """An attempt that resumed from an in-memory snapshot at step 500, past a disk checkpoint of
+    step 100: the disk's interval (300 steps of 1 s) ran out long ago, so it saves at its first
+    chance, not an interval after the restart (a burst of faults would never reach the disk)."""
+    disk = SaveSchedule(policy(), ENV, skips=False, state_bytes=lambda: 0.55e9, last=100)
+    saved = []
+    for done in range(501, 1200):
+        disk.observe(1.0, busy=False, anything_busy=False)
+        if disk.due(done, 500) and disk.decide(done, busy=False):
+            saved.append(done)
+            disk.started(0.5)
+    assert saved[:2] == [506, 806], saved

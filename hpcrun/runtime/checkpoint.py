@@ -108,23 +108,25 @@ def host_stager(sharded_tensors: bool = False) -> AsyncStager:
     return DefaultStager(options)
 
 
-def copy_into(source: tp.Any, buffers: tp.Any) -> tp.Any:
+def copy_into(source: tp.Any, buffers: tp.Any, non_blocking: bool = False) -> tp.Any:
     """A copy of a state dict into host memory that reuses `buffers` (the previous copy's)
-    wherever a tensor's shape and dtype are unchanged; other values are copied anew."""
+    wherever a tensor's shape and dtype are unchanged; other values are copied anew. From a GPU
+    into pinned buffers; with `non_blocking` the copies are only queued on the current stream,
+    and the caller waits for them (a snapshot's side stream) before anyone reads the buffers."""
     if isinstance(source, torch.Tensor):
-        # from a GPU into pinned buffers: non-blocking, ordered on the caller's stream
         pinned = source.device.type == "cuda"
+        queued = non_blocking and pinned
         if isinstance(buffers, torch.Tensor) and buffers.shape == source.shape and buffers.dtype == source.dtype:
-            return buffers.copy_(source.detach(), non_blocking=pinned)
+            return buffers.copy_(source.detach(), non_blocking=queued)
         host = torch.empty_like(source, device="cpu", pin_memory=pinned)
-        return host.copy_(source.detach(), non_blocking=pinned)
+        return host.copy_(source.detach(), non_blocking=queued)
     if isinstance(source, dict):
         old = buffers if isinstance(buffers, dict) else {}
-        return {key: copy_into(value, old.get(key)) for key, value in source.items()}
+        return {key: copy_into(value, old.get(key), non_blocking) for key, value in source.items()}
     if isinstance(source, (list, tuple)):
         same = isinstance(buffers, (list, tuple)) and len(buffers) == len(source)
         olds = list(buffers) if same else [None] * len(source)
-        return type(source)(copy_into(value, old) for value, old in zip(source, olds))
+        return type(source)(copy_into(value, old, non_blocking) for value, old in zip(source, olds))
     return copy.deepcopy(source)
 
 

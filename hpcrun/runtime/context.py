@@ -47,7 +47,8 @@ class Context:
         )
         self.snapshots = (
             snapshot.Snapshots(
-                local_scratch(spec.local_scratch), spec.run_id, env, spec.recipe.fault.collective_timeout_s
+                local_scratch(spec.local_scratch), spec.run_id, env, spec.recipe.fault.collective_timeout_s,
+                on_slurm=spec.scheduler == "slurm",
             )
             if spec.takes_snapshots
             else None
@@ -198,7 +199,12 @@ class Context:
         def measured() -> float:
             return schedule.state_bytes(self.engine)
 
-        disk = SaveSchedule(self.spec.cadence("checkpoint"), self.env, skips=False, state_bytes=measured)
+        # the disk's clock runs from its newest checkpoint, which a restart from memory is past
+        on_disk = ckpt.latest(self.checkpoints.root)
+        disk = SaveSchedule(
+            self.spec.cadence("checkpoint"), self.env, skips=False, state_bytes=measured,
+            last=on_disk[0] if on_disk else 0,
+        )
         memory = (
             SaveSchedule(self.spec.cadence("snapshot"), self.env, skips=True, state_bytes=measured)
             if self.snapshots else None

@@ -52,12 +52,17 @@ class TorchEngine:
         self._snapshot_stager: AsyncStager | None = None
         self._snapshot_buffers: tp.Any = None
         # CUDA: snapshots copy to host on a stream of their own, beside the next step's forward and
-        # backward; the optimizer step (the first to change the state) waits for the copy
+        # backward; the optimizer step (the first to change the parameters) waits for the copy, and
+        # so does the forward of a model with buffers (running statistics, DDP's broadcast change them).
+        # Parameters changed outside optimizer_step (an EMA in a user's loop) are not waited for.
+        self._buffers_change = any(True for _ in raw.buffers())
         self._snapshot_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
         self._snapshot_copied: torch.cuda.Event | None = None
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
+        if self._snapshot_copied is not None and self._buffers_change:  # forward writes buffers the copy reads
+            torch.cuda.current_stream(self.env.device).wait_event(self._snapshot_copied)
         if self.unsettled:
             self.unsettled = False
             self.settle_buckets(tokens, targets)
@@ -171,7 +176,7 @@ class TorchEngine:
             return self._snapshot_buffers
         self._snapshot_stream.wait_stream(torch.cuda.current_stream(self.env.device))  # the step's last writes
         with torch.cuda.stream(self._snapshot_stream):
-            self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers)
+            self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers, non_blocking=True)
             self._snapshot_copied = torch.cuda.Event()
             self._snapshot_copied.record(self._snapshot_stream)
         return self._snapshot_buffers

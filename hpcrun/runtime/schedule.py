@@ -33,6 +33,13 @@ FIRST_DECISION_STEPS = 5
 RETRY_SHARE = 4
 """A skipped save is tried again after this fraction of its interval."""
 
+LEAST_COST_S = 0.01
+"""The cost a save is taken to have at least: a state measured at nothing (an engine whose
+tensors hide their size, DeepSpeed's) must not be saved every step."""
+
+RECENT_COSTS = 3
+"""The median of the last few measured costs decides: one noisy save does not."""
+
 
 @dataclasses.dataclass
 class _Flight:
@@ -47,14 +54,18 @@ class SaveSchedule:
     """One kind of save (disk checkpoint or in-memory snapshot) on one rank: `due`, then the
     collective `decide`; `started` when a save began, `observe` after every step."""
 
-    def __init__(self, policy: Policy, env: DistEnv, skips: bool, state_bytes: tp.Callable[[], float]) -> None:
+    def __init__(
+        self, policy: Policy, env: DistEnv, skips: bool, state_bytes: tp.Callable[[], float], last: int | None = None
+    ) -> None:
+        """`last`: the step of the newest save of this kind this attempt starts after (the disk
+        checkpoint a restart from memory did not resume from), the same on every rank."""
         self.policy, self.env, self.skips, self.state_bytes = policy, env, skips, state_bytes
         self.costs: list[float] = []  # measured, one per save whose background half ended
         self.skipped = 0
         self.explanation = policy.explain(0.0, measured=False) if policy.steps is not None else ""
         self._next: int | None = None  # by time: the step of the next decision
         self._first = True
-        self._last: int | None = None  # the step of the last save decided here
+        self._last = last  # the step of the last save of this kind
         self._clean: collections.deque[float] = collections.deque(maxlen=64)  # step times, nothing in flight
         self._flight: _Flight | None = None
 
@@ -70,15 +81,18 @@ class SaveSchedule:
     def decide(self, done: int, busy: bool) -> bool:
         """Collective, at a due step: whether to save now. Also plans the next decision."""
         measured = bool(self.costs)
-        cost = self.costs[-1] if measured else estimated_cost_s(self.state_bytes(), self.env.device.type == "cuda")
-        step_s = statistics.median(self._clean) if self._clean else 0.0
-        any_busy, cost, step_s = self._agree(busy, cost, step_s)
+        cost = (
+            statistics.median(self.costs[-RECENT_COSTS:]) if measured
+            else estimated_cost_s(self.state_bytes(), self.env.device.type == "cuda")
+        )
+        any_busy, cost, step_s = self._agree(busy, cost, self._baseline() or 0.0)
+        cost = max(cost, LEAST_COST_S)
         first, self._first = self._first, False
         if self.policy.steps is None:
             self.explanation = self.policy.explain(cost, measured)
-            steps = max(1, math.ceil(self.policy.interval_s(cost) / step_s)) if step_s > 0 else 1
-            if first:  # the first decision only plans: an attempt starts from a save
-                self._next = done + steps
+            steps = max(1, math.ceil(self.policy.interval_s(cost) / step_s)) if step_s > 0 else FIRST_DECISION_STEPS
+            if first:  # the first decision only plans, from the last save of this kind (or the start)
+                self._next = max(done + 1, (done if self._last is None else self._last) + steps)
                 return False
             if self._last is not None and done - self._last < steps:  # the last save cost more than planned
                 self._next = self._last + steps
@@ -99,20 +113,23 @@ class SaveSchedule:
             values = [int(v) for v in tensor.tolist()]
         return bool(values[0]), values[1] / 1e6, values[2] / 1e6
 
+    def _baseline(self) -> float | None:
+        """The median recent step with nothing in flight."""
+        return statistics.median(self._clean) if self._clean else None
+
     def started(self, stall_s: float) -> None:
         """A save began and held the training thread `stall_s`; its background half now runs."""
-        baseline = statistics.median(self._clean) if self._clean else None
-        self._flight = _Flight(stall_s, baseline)
+        self._flight = _Flight(stall_s, self._baseline())
 
     def observe(self, step_s: float, busy: bool, anything_busy: bool) -> None:
         """After a step of `step_s`: whether this kind's save is still in flight, and whether any
         save was (a clean step is the baseline of the excess)."""
         flight = self._flight
         if flight is not None:
-            if flight.baseline_s is not None:
-                flight.excess_s += max(0.0, step_s - flight.baseline_s)
+            if flight.baseline_s is not None:  # signed: noise above and below the median cancels
+                flight.excess_s += step_s - flight.baseline_s
             if not busy:
-                self.costs.append(flight.stall_s + flight.excess_s)
+                self.costs.append(flight.stall_s + max(0.0, flight.excess_s))
                 self._flight = None
         if not anything_busy:
             self._clean.append(step_s)

@@ -1,6 +1,6 @@
 """In-memory snapshots replicated to another node, for a restart inside the job.
 
-Every `checkpoint.memory_interval` steps each rank writes its whole training state (what a disk
+When its cadence says (hpcrun.runtime.schedule) each rank writes its whole training state (what a disk
 checkpoint holds: the engine's DCP state, saved with no collective so that the rank's directory
 holds all it loads, and the trainer state: step, losses, RNG streams) into node-local scratch, a
 tmpfs that outlives the training processes; where every rank's engine state is the same (DDP)
@@ -22,10 +22,11 @@ newest step of which every rank has a verified copy written by one attempt on so
 of different attempts never make one state), have a holder send the files
 of any rank whose node lacks them (a lost node's ranks, started on another node), and load it
 when it is newer than the newest disk checkpoint. A torn copy (a file short or changed, no
-manifest) is never used: that rank's files come from the other holder, or an older step, or the
-disk checkpoint is used. Snapshots are valid within one job start only (requeues and new jobs
-resume from disk, the durable checkpoint); the batch script removes the job's directory on every
-node when the job ends.
+manifest) is never used: that rank's files come from another holder, or an older step, or the
+disk checkpoint is used (a copy that fails to arrive sends the restart to disk). Snapshots are
+valid within one job start only (requeues and new jobs resume from disk, the durable
+checkpoint); the batch script removes the job's directory on every node when the job ends, and
+the next job on a node removes what an ended job could not (`sweep`).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def manifest_of(step_dir: Path) -> dict[str, tp.Any] | None:
 
 def verify(step_dir: Path) -> str | None:
     """Why the snapshot in `step_dir` may not be used, or None: its manifest lists exactly the
-    files there, each with its sha256."""
+    files there, each with its size and CRC-32."""
     manifest = manifest_of(step_dir)
     if manifest is None:
         return f"{rundir.manifest(step_dir)}: missing or unreadable"
@@ -122,10 +123,28 @@ def verify(step_dir: Path) -> str | None:
     return f"{step_dir}: files differ from the manifest: {', '.join(wrong)}" if wrong else None
 
 
+SEND_CHUNK = 1 << 28  # one message's most bytes: gloo's ibverbs transport refuses 1 GiB and more
+
+
 def mapped(path: Path, size: int) -> torch.Tensor:
-    """The bytes of `path` (created at `size` if missing) as a tensor over its pages: on tmpfs
-    a send reads the file's memory and a receive writes into it, with no copy in the process."""
+    """The bytes of `path` as a tensor over its pages: on tmpfs a send reads the file's memory
+    and a receive writes into it, with no copy in the process."""
     return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+
+def allocated(path: Path, size: int) -> torch.Tensor:
+    """A new file of `size` bytes, its blocks reserved (a full tmpfs is ENOSPC here, not a fault
+    while a receive writes into the mapping), mapped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        if size:
+            os.posix_fallocate(f.fileno(), 0, size)
+    return mapped(path, size)
+
+
+def chunks(data: torch.Tensor) -> list[torch.Tensor]:
+    """`data` as views of at most SEND_CHUNK bytes, sent and received in the same order."""
+    return list(data.split(SEND_CHUNK)) if data.numel() else []
 
 
 def nodes_ranks(nodes: list[str]) -> list[list[int]]:
@@ -147,24 +166,24 @@ def peer_of(nodes: list[str], rank: int) -> int | None:
     return nxt[groups[index].index(rank) % len(nxt)]
 
 
-def sweep(scratch: Path, allocation_id: str, requeues: int) -> None:
+def sweep(scratch: Path, allocation_id: str, requeues: int, others: bool) -> None:
     """Remove what earlier job starts left in this node's scratch: this job's before its latest
-    requeue, and any job of this user SLURM no longer runs (a batch shell killed before its exit
-    cleared its nodes: a preemption past its grace time). Without SLURM's tools here (a container
-    without them), only this job's."""
+    requeue and, with `others` (a SLURM job), any job of this user SLURM no longer lists (a batch
+    shell killed before its exit cleared its nodes: a preemption past its grace time). Only on
+    an answer that lists this job too; without SLURM's tools here (a container), only this job's."""
     for n in range(requeues):
         shutil.rmtree(rundir.snapshot_job_dir(scratch, allocation_id, n), ignore_errors=True)
-    others = {job: paths for job, paths in rundir.snapshot_job_dirs(scratch).items() if job != allocation_id}
-    if not others:
+    ended = {job: paths for job, paths in rundir.snapshot_job_dirs(scratch).items() if job != allocation_id}
+    if not others or not ended:
         return
     try:
         listed = slurm.run(slurm.my_allocations())
     except HpcrunError:
         return
-    if listed.returncode != 0:
-        return
     running = set(listed.stdout.split())
-    for job, paths in others.items():
+    if listed.returncode != 0 or allocation_id not in running:  # an answer that misses this job is not one
+        return
+    for job, paths in ended.items():
         if job not in running:
             for path in paths:
                 shutil.rmtree(path, ignore_errors=True)
@@ -177,7 +196,7 @@ Copy = tuple[int, int, int]
 class Snapshots:
     """One rank's in-memory snapshots of one run; `save`, `restore` and `close` are collective."""
 
-    def __init__(self, scratch: Path, run_id: str, env: DistEnv, timeout_s: float) -> None:
+    def __init__(self, scratch: Path, run_id: str, env: DistEnv, timeout_s: float, on_slurm: bool) -> None:
         self.env, self.run_id = env, run_id
         # SLURM's requeue count, not hpcrun's attempt number: a restart inside the job finds the same directory
         self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.requeues)
@@ -197,7 +216,7 @@ class Snapshots:
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
         self._closed = False
         if env.local_rank == 0:
-            sweep(scratch, env.allocation_id, env.requeues)
+            sweep(scratch, env.allocation_id, env.requeues, others=on_slurm)
 
     def rank_dir(self, rank: int) -> Path:
         return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
@@ -302,17 +321,17 @@ class Snapshots:
         why a received copy was refused, or None."""
         sends: list[tuple[tp.Any, torch.Tensor]] = []  # each send with its tensor, kept alive until it completes
         for to, directory in outgoing:
-            files = [] if directory is None else [
-                (p.relative_to(directory).as_posix(), p.stat().st_size)
-                for p in sorted(directory.rglob("*")) if p.is_file()
-            ]
+            pieces, files = [], []
+            try:  # every file mapped before the header goes: an error after it would leave the peer short
+                for path in [] if directory is None else sorted(p for p in directory.rglob("*") if p.is_file()):
+                    length = path.stat().st_size
+                    files.append((path.relative_to(tp.cast(Path, directory)).as_posix(), length))
+                    pieces += chunks(mapped(path, length)) if length else []
+            except OSError:
+                pieces, files = [], []  # the peer is told "nothing" and counts the copy missing
             header = torch.frombuffer(bytearray(json.dumps({"files": files}).encode()), dtype=torch.uint8)
             size = torch.tensor([header.numel()], dtype=torch.int64)
-            sends += [(dist.isend(t, to, group=self.group), t) for t in (size, header)]
-            for name, length in files:
-                if length:
-                    data = mapped(tp.cast(Path, directory) / name, length)
-                    sends.append((dist.isend(data, to, group=self.group), data))
+            sends += [(dist.isend(t, to, group=self.group), t) for t in (size, header, *pieces)]
         why = None
         for sender, rank in incoming:
             size = torch.zeros(1, dtype=torch.int64)
@@ -323,17 +342,29 @@ class Snapshots:
             if not files:
                 why = why or f"rank {sender} sent no snapshot of rank {rank}"
                 continue
+            self._held.add(rank)  # before anything lands in its directory (close removes what it holds)
             tmp = rundir.partial_step_dir(self.rank_dir(rank), step)
             shutil.rmtree(tmp, ignore_errors=True)
+            refused = None
             for name, length in files:
-                path = tmp / name
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if length:
-                    dist.recv(mapped(path, length), sender, group=self.group)
+                target = None
+                if refused is None:
+                    try:
+                        target = allocated(tmp / name, length)
+                    except OSError as exc:  # a full tmpfs: still take every byte the sender sends
+                        refused = f"{tmp / name}: {exc}"
+                if target is None:  # drained through one chunk's buffer, piece by piece as they were sent
+                    scratch = torch.empty(min(length, SEND_CHUNK), dtype=torch.uint8)
+                    pieces = [scratch[: min(SEND_CHUNK, length - at)] for at in range(0, length, SEND_CHUNK)]
                 else:
-                    path.touch()
+                    pieces = chunks(target)
+                for piece in pieces:
+                    dist.recv(piece, sender, group=self.group)
+            if refused:
+                shutil.rmtree(tmp, ignore_errors=True)
+                why = why or refused
+                continue
             why = self._settle(tmp, rundir.step_dir(self.rank_dir(rank), step)) or why
-            self._held.add(rank)
         for work, _ in sends:
             work.wait()
         return why
@@ -451,7 +482,7 @@ class Snapshots:
             self._closed = True
         else:
             self.wait()
-        for rank in self._held:
+        for rank in list(self._held):  # the background thread may still add a replica's rank
             shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
         for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):
             try:

@@ -40,7 +40,7 @@ run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden
 srun_stderr=$(mktemp)
 node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
-  held=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
+  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
   count=$(scontrol show hostnames "$held" | wc -l)
   for dir in "${node_dirs[@]}"; do
     timeout 60 srun --overlap --nodelist="$held" --nodes="$count" --ntasks="$count" --ntasks-per-node=1 \
