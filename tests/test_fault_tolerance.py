@@ -353,17 +353,4 @@ def test_one_rank_follows_two_and_loads_their_checkpoint(name: str, tmp_path: Pa
         assert a == pytest.approx(b, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_consolidate(name: str, tmp_path: Path) -> None:
-    site = site_copy(tmp_path)
-    rec = recipe(
-        tmp_path,
-        name,
-        strategy=STRATEGIES[name],
-        training={"steps": 4},
-        checkpoint={"interval": 4, "export_final": True},
-    )
-    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
-    out = hpcrun("checkpoint", "consolidate", "--site", str(site), run_dir.name)
-    assert out.stdout.split()[-1] == weights(run_dir)  # the same weights the job ended with
-    assert (run_dir / "consolidated-step-00000004.pt").exists()
+# `hpcrun checkpoint consolidate` (FSDP, ZeRO-3): tests/test_exact_resume.py, on its uninterrupted runs
