@@ -314,7 +314,8 @@ def test_host_stager_reuses_its_buffers() -> None:
 def test_one_rank_follows_two_and_loads_their_checkpoint(name: str, tmp_path: Path) -> None:
     """2 ranks x micro batch 4 follow the loss curve of 1 rank x micro batch 8 (the strategy is
     correct, not just running), and the 2-rank checkpoint resumed by 1 rank (same global batch)
-    continues the same curve. One 2-rank run serves both (they were two tests, each starting it)."""
+    continues the same curve; with DDP, 2 ranks x micro batch 2 x 2 accumulated micro batches
+    follow it too. One 2-rank run serves all three (they were three tests, each starting it)."""
     site = site_copy(tmp_path)
     training = {"steps": 6, "lr": 0.003, "micro_batch": 4}
     two = run_dir_of(
@@ -342,6 +343,10 @@ def test_one_rank_follows_two_and_loads_their_checkpoint(name: str, tmp_path: Pa
     assert curve_one[-1] < curve_one[0] - 0.05
     for a, b in zip(curve_one, original):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    if name == "ddp":  # gradient accumulation matches the larger batch (the recipe's default strategy)
+        accum = recipe(tmp_path, "accum", training={**training, "micro_batch": 2, "grad_accum": 2})
+        for a, b in zip(losses(run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(accum)))), original):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
     hpcrun("submit", "--site", str(site), "--dry-run", "--run-id", "resharded", str(one_rec))
     one = tmp_path / "runs" / "resharded"
     shutil.copytree(two / "checkpoints" / "step-00000003", one / "checkpoints" / "step-00000003")
