@@ -12,6 +12,7 @@ import pytest
 from hpcrun import api
 from hpcrun.errors import HpcrunError
 from tests.helpers import ROOT
+from tests.test_report import check_report_of_real_runs
 
 
 def readme_example() -> str:
@@ -22,7 +23,8 @@ def readme_example() -> str:
 
 @pytest.mark.slow
 def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As a user runs it: the local site's runs and results under ~/hpcrun (here a fresh HOME)."""
+    """As a user runs it: the local site's runs and results under ~/hpcrun (here a fresh HOME).
+    Its two runs (ddp, fsdp) are also those `hpcrun report` is checked on (tests/test_report.py)."""
     monkeypatch.setenv("HOME", str(tmp_path))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -36,6 +38,7 @@ def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ended = runs[0]
     with pytest.raises(HpcrunError, match="had already ended"):
         ended.cancel()
+    check_report_of_real_runs("local", tmp_path / "report")  # the page and `results --compare` of these two runs
 
 
 def test_a_dict_recipe_is_checked_like_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,8 @@ rebuilt after the first iteration, so a resumed run's first step reduces in anot
 FSDP and DeepSpeed reduce over flat buffers laid out once, the same before and after a restart,
 so 4 ranks would prove nothing more for them than 2 (at twice the CPU: they ran at 4 until CI
 time mattered); ZeRO-2 (DeepSpeed's stage 1-2 optimizer, not stage 3's) proves its own save and
-load."""
+load. The uninterrupted FSDP and ZeRO-3 runs' last checkpoints are also consolidated on one
+process (`hpcrun checkpoint consolidate`) into the weights they ended with."""
 
 from __future__ import annotations
 
@@ -102,7 +103,22 @@ def interrupted(tmp_path: Path, name: str, strategy: dict[str, object], world: i
     assert state(run_dir)["status"] == "completed", state(run_dir)
     hpcrun("status", "--site", str(site), "--wait", baseline.name)
     trained_and_measured(tmp_path, baseline, strategy, world)
+    if name in CONSOLIDATED:
+        consolidated(site, baseline)
     return baseline, run_dir
+
+
+# `hpcrun checkpoint consolidate` of a finished run: DCP shards through torch's converter (FSDP) and
+# ZeRO partitions through DeepSpeed's zero_to_fp32 (ZeRO-3), on the uninterrupted run's 4-rank
+# checkpoint (a test of its own once trained a 2-rank run for each)
+CONSOLIDATED = ("fsdp", "zero3")
+
+
+def consolidated(site: Path, run_dir: Path) -> None:
+    """One process merges the run's last checkpoint into the weights the job ended with."""
+    out = hpcrun("checkpoint", "consolidate", "--site", str(site), run_dir.name)
+    assert out.stdout.split()[-1] == weights(run_dir)
+    assert (run_dir / f"consolidated-step-{TRAINING['steps']:08d}.pt").exists()
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from hpcrun.recipe import load_recipe
 from hpcrun.site import load_site
 from tests.runs import hpcrun, recipe, rows, run_dir_of, site_copy, state
 
-# rank 1 fails; rank 0 ends well after it (as in tests/test_runtime.py)
+# rank 1 fails; rank 0 ends well after it: the job fails (exit 1), naming rank 1's status
 SCRIPT = "import os,sys,time; r=os.environ['RANK']; time.sleep(2 if r=='0' else 0); sys.exit(3 if r=='1' else 0)"
 COMMAND = {"kind": "command", "command": ["python", "-c", SCRIPT]}
 
@@ -73,7 +73,11 @@ def test_a_machine_without_git_records_the_same_failed_attempt(tmp_path: Path) -
     recorded = rows(tmp_path, run_dir).to_dict("records")
     assert any(r["status"] == "failed" and "exited with status 3 on rank 1" in r["reason"] for r in recorded), recorded
     assert all(r["git_sha"] is None for r in recorded), recorded
-    with_git = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec), check=False))
+    # with git: also the failing rank's test (tests/test_runtime.py's, which ran this job once more)
+    again = hpcrun("submit", "--site", str(site), "--wait", str(rec), check=False)
+    assert again.returncode == 1, again.stdout + again.stderr
+    with_git = run_dir_of(again)
+    assert "exited with status 3 on rank 1" in state(with_git)["reason"], state(with_git)
     same = rows(tmp_path, with_git).to_dict("records")
 
     def failed(table: list[dict[str, tp.Any]]) -> list[tuple[tp.Any, ...]]:
