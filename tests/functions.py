@@ -34,6 +34,13 @@ def square(x: int, hold_s: float) -> int:
     return x * x
 
 
+def append_and_raise(path: str) -> None:
+    """Notes that it ran (a line appended to `path`), then fails: the call's own error."""
+    with open(path, "a") as out:
+        out.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')}\n")
+    raise ValueError("the call's own error")
+
+
 class Counter(submitit.helpers.Checkpointable):
     """Counts to `total`, one step per `step_s`; its own state is its checkpoint (submitit's
     Checkpointable: `checkpoint` pickles the object as it is). `progress` is a file where it writes

@@ -84,6 +84,23 @@ def test_a_checkpointable_call_resumes_from_its_checkpoint_after_one_requeue(tmp
     assert time.monotonic() - started < 120
 
 
+def test_a_call_that_raises_runs_once_and_its_error_is_the_result(tmp_path: Path) -> None:
+    """An exception from the call is its outcome: no requeue and no restart in the job (hpcrun's
+    defaults allow both for faults), the job ends FAILED and the call ran once."""
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5)
+    ran = tmp_path / "ran"
+    job = ex.submit(functions.append_and_raise, str(ran))
+    with pytest.raises(submitit.core.utils.FailedJobError, match="the call's own error"):
+        job.result()
+    wait_for(lambda: records(job.job_id)[-1:] == ["FAILED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["FAILED"]  # never requeued
+    state = RunDir(job.paths.folder.parent).state()
+    assert state["status"] == "failed" and state["restarts_in_job"] == 0, state
+    assert state["reason"].startswith("ValueError: the call's own error") and "not run again" in state["reason"], state
+    assert ran.read_text().splitlines() == ["0"]
+
+
 def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
     ex = executor(tmp_path)
     ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_max_num_timeout=0)

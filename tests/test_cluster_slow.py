@@ -31,10 +31,13 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
     and completes on the other with the weights of an uninterrupted run."""
     # probes as often as every 2.5 s (the default share spaces them ~16 s apart on these CPUs): named within the bound
     fault = {"straggler_factor": 2.0, "exclude_slow_nodes": True, "straggler_probe_share": 0.05}
-    # 0.8 s per step: >= 16 s of training after the first checkpoint, throttled or not, for the
-    # slow rank to be named (slow for PERSISTENT_S) and the job then to be cut while it runs
+    # The first attempt must still be training when the slow rank is named (up to 60 s below) and
+    # USR2 comes: 3 s per step there, >= 84 s after its first checkpoint (step 2). At 0.8 s per step
+    # (>= 16 s after step 10) CI once saw the job end before USR2 came, so it completed unrequeued.
+    # The requeued attempt's steps take 0.8 s.
     run_dir, job = submit(tmp_path, "slow-rank", resources={"gpus_per_node": 2, "time": "00:10:00"},
-                          fault=fault, metrics={"flush_seconds": 0.5}, job=entrypoint_job(str(ROOT), 0.8))
+                          fault=fault, metrics={"flush_seconds": 0.5}, checkpoint={**CHECKPOINT, "interval": 2},
+                          job=entrypoint_job(str(ROOT), 0.8, first_attempt_delay_s=3.0))
     wait_checkpoint(run_dir)
     pid, node = faults.rank_pid(job, 1)
     other = next(n for n in faults.NODES if n != node)
@@ -50,6 +53,7 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
         wait_for(named, timeout=60, what="the slow rank's record")
     assert list(state(run_dir)["slow_ranks"]) == [f"rank 1 on {node}"], state(run_dir)
     assert state(run_dir)["excluded_nodes"] == [node], state(run_dir)
+    assert not (run_dir / "weights.sha256").exists(), "the first attempt ended before it could be requeued"
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     final = wait_done(run_dir, timeout=240)
     assert final["status"] == "completed" and final["restart_count"] == 1, final

@@ -17,6 +17,7 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
+from hpcrun.runtime.function import CallRaised
 from hpcrun.runtime.jobs import JOBS
 from hpcrun.runtime.metrics import peak_memory_bytes
 from hpcrun.runtime.row import result_row
@@ -59,10 +60,11 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
             status, reason = stop_decision(ctx)
         ctx.close_snapshots(status)
     except Exception as exc:
-        status, reason = "failed", f"{type(exc).__name__}: {exc}"
+        raised = isinstance(exc, CallRaised)
+        status, reason = "failed", str(exc) if raised else f"{type(exc).__name__}: {exc}"
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
             failure.write_exit_record(ctx.run_dir, env.job_id, env.restart_count, env.rank, reason, ctx.step,
-                                      result_row(ctx, status, reason, peak_memory_bytes(ctx.device)))
+                                      result_row(ctx, status, reason, peak_memory_bytes(ctx.device)), final=raised)
         else:  # locally the first failing rank records the attempt (finish keeps the first)
             finish(ctx, status, reason, collective=False)
         raise

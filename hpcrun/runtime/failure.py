@@ -204,9 +204,11 @@ def name_silent(run_dir: RunDir, job_id: str, restart: int, failure: Failure, re
 
 
 def write_exit_record(
-    run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any]
+    run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any],
+    final: bool = False,
 ) -> None:
-    """A failing rank's word, for the one writer of the attempt's record."""
+    """A failing rank's word, for the one writer of the attempt's record. `final`: the error is
+    the run's outcome (a function job's call raised), which no restart or requeue changes."""
     import time
 
     record = {
@@ -216,6 +218,7 @@ def write_exit_record(
         "step": step,
         "time": time.time(),
         "row": row,
+        "final": final,
     }
     write_json(run_dir.exit_record(job_id, restart, rank), json.loads(json.dumps(record, default=str)))
 
@@ -234,6 +237,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
     own = next((r for r in records if r.get("rank") == failure.rank), None)
     failure = name_silent(run_dir, job_id, restart, failure, own, spec.world_size)
+    final = bool(own.get("final")) if own else any(r.get("final") for r in records)
     signature = failure.signature(newest_checkpoint(run_dir))
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
@@ -268,8 +272,10 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         if lost:
             long["failed_nodes"] = sorted(set(state.get("failed_nodes") or []) | set(lost))
             long["excluded_nodes"] = exclusions(state, lost, room, spec.nodes)
-        nodes = restart_nodes(spec, state, step_nodes, allocated, lost) if may_restart else None
-        if signature == previous:
+        nodes = restart_nodes(spec, state, step_nodes, allocated, lost) if may_restart and not final else None
+        if final:
+            reason += "; the call's own error, its result: not run again"
+        elif signature == previous:
             reason += "; the same failure as the previous attempt (same step, same error): not requeued"
         elif nodes is not None:
             decided["restart"] = nodes

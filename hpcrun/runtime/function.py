@@ -14,6 +14,10 @@ Checkpointable protocol: the callable's `__submitit_checkpoint__` or `checkpoint
 returns the DelayedSubmission to run next, which replaces the run's pickle; the attempt then
 ends as a stopped one and hpcrun requeues it (hpcrun.runtime.attempt). A callable without
 `checkpoint` is called again from the start, as submitit does after a preemption.
+
+Raising. An exception from the call is its outcome, not a fault: the error result is written,
+the rank fails with CallRaised, and the failure step (hpcrun.runtime.failure) neither restarts
+nor requeues the attempt, so the call runs once, as under submitit.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from hpcrun import executor
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import atomic_path
 from hpcrun.runtime.context import Context
+
+
+class CallRaised(Exception):
+    """The call raised (the first line of its error): a result, which no restart or requeue changes."""
 
 
 class Interrupted(BaseException):
@@ -68,9 +76,9 @@ def run_function(ctx: Context) -> None:
             ctx.when_recorded.append(lambda: _if_ended(ctx, result))
         ctx.info(f"{ctx.stopped}: the call was interrupted, stopping for requeue")
         return
-    except Exception:
+    except Exception as exc:
         _write(result, ("error", traceback.format_exc()))
-        raise
+        raise CallRaised(f"{type(exc).__name__}: {exc}") from exc
     ctx.when_recorded.append(lambda: _write(result, ("success", value)))
 
 

@@ -366,7 +366,7 @@ while [ $# -gt 0 ]; do
 done
 if [ -z "$count" ]; then
   # the pooled nodes of a cluster up now (`all` leaves the spares out)
-  count=$(sinfo -h -p all -N -o '%N' 2>/dev/null | sort -u | wc -l || echo 0)
+  count=$( (sinfo -h -p all -N -o '%N' 2>/dev/null || true) | sort -u | wc -l)
   [ "$count" -ge 2 ] || count=2
 fi
 if ! [[ "$count" =~ ^[0-9]+$ ]] || [ "$count" -lt 2 ] || [ $((count % 2)) -ne 0 ] || [ "$count" -gt 64 ]; then
