@@ -47,6 +47,8 @@ TABLE: dict[str, JobState] = {s.name: s for s in (
     JobState("PENDING", _P, "queued, waiting for resources or a dependency"),
     # PreemptMode=REQUEUE (the test cluster's, the common one): SLURM queues it again
     JobState("PREEMPTED", _R, "preempted by a higher-priority job; requeued by SLURM"),
+    # PreemptMode=CANCEL (or a preemption SLURM did not requeue): hpcrun's name for it, read from the partition
+    JobState("PREEMPTED_CANCELLED", _F, "preempted by a higher-priority job and cancelled (PreemptMode=CANCEL)"),
     JobState("REQUEUED", _R, "requeued; runs again once eligible"),
     JobState("REQUEUE_FED", _R, "requeued by its federation"),
     JobState("REQUEUE_HOLD", _P, "requeued and held: runs again once released"),
@@ -69,6 +71,7 @@ TABLE: dict[str, JobState] = {s.name: s for s in (
 
 COMPLETED, FAILED, RUNNING, COMPLETING, NODE_FAIL = "COMPLETED", "FAILED", "RUNNING", "COMPLETING", "NODE_FAIL"
 UNKNOWN, LEFT_QUEUE, RESUMABLE, REQUEUED = "UNKNOWN", "LEFT_QUEUE", "RESUMABLE", "REQUEUED"
+PREEMPTED, PREEMPTED_CANCELLED = "PREEMPTED", "PREEMPTED_CANCELLED"
 SUBMITTING = "SUBMITTING"
 
 # state.json's `status` (the runtime's word on an attempt) -> the state it stands for when

@@ -225,8 +225,8 @@ def accounting_disabled(out: subprocess.CompletedProcess[str]) -> bool:
 # The command lines hpcrun sends to SLURM, each built here once; callers run them with `run` and
 # read the answer (status, cancel, the failure step, doctor, the sweep's caps).
 def sacct_states(jobs: str) -> list[str]:
-    """Every record (-D: each requeue) of comma-joined `jobs`: id, state, nodes, elapsed, reason."""
-    return ["sacct", "-X", "-D", "-n", "-P", "-j", jobs, "-o", "JobID,State,NodeList,ElapsedRaw,Reason"]
+    """Every record (-D: each requeue) of comma-joined `jobs`: id, state, nodes, elapsed, reason, partition."""
+    return ["sacct", "-X", "-D", "-n", "-P", "-j", jobs, "-o", "JobID,State,NodeList,ElapsedRaw,Reason,Partition"]
 
 
 def squeue_states(jobs: str) -> list[str]:

@@ -5,7 +5,9 @@ Read-only: cancelling is hpcrun.cancel, finding and following logs is hpcrun.log
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 import sys
 import time
 import typing as tp
@@ -47,6 +49,7 @@ class SchedulerRow:
     elapsed_s: int | None
     reason: str
     records: int = 1
+    partition: str = ""
 
 
 NO_ACCOUNTING = "# accounting storage is disabled\n"  # sacct's answer on a cluster without slurmdbd
@@ -91,9 +94,9 @@ def parse_sacct(text: str) -> dict[str, SchedulerRow]:
         job, state, nodes, elapsed, reason = parts[:5]
         state = jobstate.of(state).name  # "CANCELLED by 0" -> CANCELLED
         previous = rows.get(job)
-        rows[job] = SchedulerRow(
-            state, nodes, int(elapsed) if elapsed.isdigit() else None, reason, (previous.records + 1) if previous else 1
-        )
+        records = (previous.records + 1) if previous else 1
+        partition = parts[5] if len(parts) > 5 else ""
+        rows[job] = SchedulerRow(state, nodes, int(elapsed) if elapsed.isdigit() else None, reason, records, partition)
     return rows
 
 
@@ -252,6 +255,8 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
             )
             continue
         state = row.state
+        if state == jobstate.PREEMPTED and not requeues_preempted(row.partition):
+            state = jobstate.PREEMPTED_CANCELLED
         if state == jobstate.COMPLETED and own.get("status") not in (None, "completed"):
             # the batch script ended well, the attempt did not: failed (the requeue cap), or
             # stopped and saved but not requeued (a requeue sacct would show as REQUEUED)
@@ -271,6 +276,19 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
             )
         )
     return result
+
+
+@functools.cache
+def requeues_preempted(partition: str) -> bool:
+    """Whether SLURM requeues a job preempted in `partition` (its PreemptMode, which `scontrol`
+    shows with the cluster's default filled in, has REQUEUE): else a PREEMPTED job is over.
+    Asked once per partition in a process; unknown (no answer) counts as requeued, SLURM's
+    usual setting, as before the partition was read."""
+    if not partition:
+        return True
+    out = slurm.run(slurm.show_partition(partition.split(",")[0]))
+    mode = re.search(r"\bPreemptMode=(\S+)", out.stdout) if out.returncode == 0 else None
+    return mode is None or "REQUEUE" in mode[1].upper().split(",")
 
 
 def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:

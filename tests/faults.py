@@ -51,13 +51,16 @@ def environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def rank_pid(allocation_id: str, rank: int, timeout: float = 60, attempt: int | None = None) -> tuple[int, str]:
+def rank_pid(
+    allocation_id: str, rank: int, timeout: float = 60, attempt: int | None = None, nodes: tp.Sequence[str] = ()
+) -> tuple[int, str]:
     """The pid of `rank`'s task (python -m hpcrun.launch) in job `allocation_id` (of hpcrun's
-    `attempt` number, when given), and its node. Looks at least once (timeout=0: one look), then
+    `attempt` number, when given), and its node (the network namespace it runs in), looked for on
+    `nodes` (default: the pool's and its spare). Looks at least once (timeout=0: one look), then
     until `timeout` s have passed."""
     deadline = time.time() + timeout
     while True:
-        for node in NODES + ((SPARE,) if SPARE else ()):
+        for node in nodes or NODES + ((SPARE,) if SPARE else ()):
             for pid in node_pids(node):
                 env = environ(pid)
                 if attempt is not None and env.get("HPCRUN_ATTEMPT") != str(attempt):
@@ -72,7 +75,7 @@ def rank_pid(allocation_id: str, rank: int, timeout: float = 60, attempt: int | 
         if time.time() >= deadline:
             break
         time.sleep(0.5)
-    raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {NODES}")
+    raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {list(nodes) or NODES}")
 
 
 def ranks_alive(allocation_id: str, world: int, attempt: int | None = None) -> list[int]:

@@ -24,9 +24,9 @@ def index() -> int:
 
 
 def partition(name: str) -> str:
-    """`batch`, `urgent` or `spare` (its two nodes and a spare node), as this pool calls it (`all`
-    spans every pool)."""
-    return name if index() == 0 or name not in ("batch", "urgent", "spare") else f"{name}{index()}"
+    """`batch`, `urgent`, `fragile` or `spare` (its two nodes and a spare node), as this pool calls
+    it (`all` spans every pool)."""
+    return name if index() == 0 or name not in ("batch", "urgent", "fragile", "spare") else f"{name}{index()}"
 
 
 def nodes() -> tuple[str, str]:

@@ -110,6 +110,25 @@ def test_cancel(shared: Path) -> None:
     assert wait_state(site, run_dir, {"CANCELLED", "COMPLETED", "FAILED"}) == "CANCELLED"
 
 
+def test_status_wait_ends_when_a_preemption_cancels_the_job(shared: Path) -> None:
+    """Where the partition's PreemptMode is CANCEL, a preempted job is over: `status --wait` ends
+    there (failed) instead of waiting for a requeue SLURM never makes (before: until --timeout)."""
+    site = site_copy(shared, "testcluster")
+    rec = recipe(shared, "fragile", training={"steps": 100000, "lr": 0.001}, checkpoint={"interval": 100000},
+                 resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00", "partition": pool.partition("fragile")})
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
+    wait_state(site, run_dir, {"RUNNING"})
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-o", "/dev/null", "--wrap", "sleep 1"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip().split(";")[0]
+    out = hpcrun("status", "--site", str(site), run_dir.name, "--wait", "--timeout", "120", check=False)
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)  # failed; 124: still waiting
+    assert "PREEMPTED_CANCELLED" in out.stdout, out.stdout
+    ran = subprocess.run(["sacct", "-X", "-n", "-P", "-j", urgent, "-o", "State"], capture_output=True, text=True)
+    assert ran.stdout.split()[:1] in (["COMPLETED"], ["RUNNING"], ["COMPLETING"]), ran.stdout
+
+
 def test_refused_partition_shows_sbatch_message(shared: Path) -> None:
     import yaml
 

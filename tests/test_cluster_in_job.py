@@ -28,7 +28,6 @@ from tests.test_cluster_faults import CHECKPOINT, TRAINING, records, wait_checkp
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 PAUSED = entrypoint_job(str(ROOT), 0.4)
 TWO_BY_TWO = {"nodes": 2, "gpus_per_node": 2, "time": "00:10:00"}
-REQUEUE_HOLD_S = 20  # the test cluster's AuthInfo=cred_expire: a requeued job waits this long to start again
 LOCAL_SCRATCH = Path(yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_text())["storage"]["local_scratch"])
 
 
@@ -126,10 +125,15 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
         f"\n[in-job restart] last rank gone -> new ranks started: {launched - gone:.1f} s; "
         f"-> first resumed step ({first_step}): {stepped - gone:.1f} s (start-up {stepped - launched:.1f} s)"
     )
-    # 1-2 s on a quiet machine (RESULTS.md §3b, §3c); in CI the failure step's and the new step's
-    # srun wait on a slurmctld busy with the scale tests' campaign and on two loaded cores (11 s
-    # seen). Below SLURM's requeue hold, which a trip through the queue could not start sooner than.
-    assert launched - gone <= REQUEUE_HOLD_S, f"the step started {launched - gone:.1f} s after the last rank left"
+    # 1-2 s on a quiet machine (RESULTS.md §3b, §3c). In CI (two cores loaded, a slurmctld busy
+    # with the scale tests' campaign) 11 s was seen once when the failure step was a step of its
+    # own, launched through slurmctld: it now runs in the batch shell.
+    recorded = failed["end_time"].timestamp()  # the failure step's row
+    assert launched - gone <= 10, (
+        f"the step started {launched - gone:.1f} s after the last rank left "
+        f"(the failure step wrote its row {recorded - gone:.1f} s after, "
+        f"the new ranks started {launched - recorded:.1f} s later)"
+    )
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     lines = shown.splitlines()
@@ -149,11 +153,19 @@ def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -
     run_dir, job = submit(tmp_path, "in-job-hang", fault={"hang_timeout_s": 20})
     wait_checkpoint(run_dir)
     node = faults.signal_rank(job, 3, signal.SIGSTOP, attempt=0)
+    stopped = time.time()
+    faults.rank_pid(job, 0, timeout=120, attempt=1)
+    restarted = time.time() - stopped
     final = wait_done(run_dir, timeout=300)
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
     assert records(job) == ["COMPLETED"], records(job)
+    # 20 s without a step, the watchdogs' polling, srun's teardown and the restart (RESULTS.md §3b)
+    assert restarted <= 2 * 20 + 10, f"the hang ended the attempt and the step restarted {restarted:.1f} s after it"
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
-    assert "hung: no step progress for 20 s" in logs and "Thread" in logs, logs[-3000:]
+    # the live ranks wait for rank 3 in the same collective: their watchdogs fire together,
+    # each with its stacks (before srun ends the others, at least two of the three)
+    fired = set(re.findall(r"\[hpcrun rank (\d)\] hung: no step progress for 20 s", logs))
+    assert len(fired) >= 2 and "3" not in fired and "Thread" in logs, (fired, logs[-3000:])
     failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
     silent = f"silent: rank 3 on {node}"  # the node as SLURM names it (not the host's own name)
     assert len(failed) == 1 and silent in failed[0]["reason"], failed
@@ -213,18 +225,26 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     assert replica_step(pid, run_dir, job, second) > 10, "no replica newer than the disk checkpoint"
     try:
         faults.power_off(second)
+        # where the restarted ranks run: the node (network namespace) each process lives in
+        ran = [faults.rank_pid(job, rank, timeout=120, attempt=1, nodes=(first, spare))[1] for rank in range(4)]
         final = wait_done(run_dir, timeout=300)
     finally:
         faults.power_on(second)
+    assert ran == [first, first, spare, spare], ran
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
-    # one job start; SLURM records dropping the lost node as a RESIZING record of the same start
-    assert "REQUEUED" not in records(job) and records(job)[-1] == "COMPLETED", records(job)
+    # one job start: SLURM records dropping the lost node as a RESIZING record of it, if it
+    # drops the node before the job ends (SlurmdTimeout); never a NODE_FAIL, FAILED or REQUEUED
+    assert records(job) in (["RESIZING", "COMPLETED"], ["COMPLETED"]), records(job)
     assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
     failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
-    assert f"node lost: {second}" in failed["reason"] and f"on {first},{spare}" in failed["reason"], failed["reason"]
-    # ranks 2-3 start on the spare, whose files of theirs are the copies the first node held
-    resumed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]["resumed_from"]
-    assert resumed == "replica", rows(tmp_path, run_dir)[["restart_count", "reason", "resumed_from"]]
+    assert f"node lost: {second}" in failed["reason"], failed["reason"]
+    # ranks 2-3 start on the spare, whose files of theirs are the copies the first node held,
+    # newer than the disk checkpoint (step 10)
+    restarted = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]
+    assert restarted["resumed_from"] == "replica", restarted[["restart_count", "reason", "resumed_from"]]
+    log = next((run_dir / "logs").glob("*_0_log.err")).read_text()
+    resumed = re.search(r"resumed from replica snapshot \(step (\d+)\)", log)
+    assert resumed and int(resumed[1]) > 10, log[-3000:]
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
     # the job's end cleared the nodes it held then (SLURM had dropped the lost one)
     wait_ended(job)

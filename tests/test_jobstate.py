@@ -25,13 +25,15 @@ STOPPED SUSPENDED TIMEOUT""".split()
 
 def test_the_table_holds_every_slurm_state_and_hpcrun_s_own() -> None:
     assert set(SLURM_STATES) <= set(jobstate.TABLE)
-    assert set(jobstate.TABLE) - set(SLURM_STATES) == {"UNKNOWN", "LEFT_QUEUE", "RESUMABLE", "SUBMITTING"}
+    assert set(jobstate.TABLE) - set(SLURM_STATES) == {
+        "UNKNOWN", "LEFT_QUEUE", "RESUMABLE", "SUBMITTING", "PREEMPTED_CANCELLED"}
     assert all(s.meaning for s in jobstate.TABLE.values())
 
 
 @pytest.mark.parametrize("name, phase", [
     ("SUSPENDED", Phase.ACTIVE), ("STOPPED", Phase.ACTIVE),  # paused with the allocation: not finished
     ("PREEMPTED", Phase.RETURNING), ("REQUEUED", Phase.RETURNING),  # SLURM runs it again
+    ("PREEMPTED_CANCELLED", Phase.FAILED),  # preempted where PreemptMode=CANCEL (hpcrun.status reads it)
     ("REQUEUE_HOLD", Phase.PENDING), ("SPECIAL_EXIT", Phase.PENDING),
     ("REVOKED", Phase.FAILED), ("DEADLINE", Phase.FAILED), ("BOOT_FAIL", Phase.FAILED),
     ("CANCELLED by 0", Phase.FAILED),

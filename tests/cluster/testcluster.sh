@@ -11,10 +11,11 @@
 # network namespaces node1 (10.77.0.11), node2 (10.77.0.12), ... each run one slurmd and reach
 # the others only through their interface `hpc0`, which sites/testcluster.yaml names.
 #
-# Partitions: nodes come in pools of two, each with its own pair of partitions, so test
-# processes running at once each get a cluster of their own (tests/runs.py `pool`): pool 0 is
-# `batch` (the default) and `urgent` (a higher priority tier that preempts `batch` with requeue)
-# on node[1-2]; pool k is `batchk`/`urgentk` on the next two nodes. `all` spans every node; from
+# Partitions: nodes come in pools of two, each with its own partitions, so test processes
+# running at once each get a cluster of their own (tests/runs.py `pool`): pool 0 is `batch` (the
+# default), `urgent` (a higher priority tier that preempts `batch` with requeue) and `fragile`
+# (preempted by `urgent` with PreemptMode=CANCEL) on node[1-2]; pool k is `batchk`/`urgentk`/
+# `fragilek` on the next two nodes. `all` spans every node; from
 # 8 nodes, `scale` spans the upper half (the scale tests', tests/test_cluster_campaign.py). A user
 # `hpcwatch` runs the polling test's watchers (SLURM counts RPCs per user); `hpcquota` may hold 25 jobs
 # (MaxSubmitJobs, enforced: the sweep-deferral test; 10 in QOS capped, 30 in QOS wide).
@@ -180,6 +181,8 @@ node_lines() {  # NodeName and PartitionName lines for "${NODES[@]}": pools of t
     [ "$pool" -gt 0 ] && suffix=$pool
     echo "PartitionName=batch$suffix Nodes=$members$([ "$pool" -eq 0 ] && echo ' Default=YES') MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
     echo "PartitionName=urgent$suffix Nodes=$members MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF"
+    # a site whose preemption cancels: a preempted job there is over, not coming back
+    echo "PartitionName=fragile$suffix Nodes=$members MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=CANCEL"
     if [ "$pool" -lt "${#SPARES[@]}" ]; then
       echo "PartitionName=spare$suffix Nodes=$members,${SPARES[$pool]} MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE"
     fi

@@ -88,7 +88,7 @@ while :; do
   # SLURM counts such a step as running until it drops the lost node: the steps after it --overlap.
   failed_at=
   while kill -0 "$step" 2>/dev/null; do
-    sleep 1 & wait $! || true
+    sleep 0.5 & wait $! || true  # how soon a restart can start after the step ends
     if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
       failed_at=$SECONDS
     elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
@@ -107,10 +107,8 @@ while :; do
   # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
   trap '' USR2 TERM
   [ "$step_status" -ne 0 ] || break
-  # one task on this node, inside the same container as the ranks: the interpreter named by
-  # the site exists there, and so does hpcrun
-  HPCRUN_STEP_NODES=$nodes HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
-    --nodelist="$SLURMD_NODENAME" \
+  # here, where the ranks' interpreter and hpcrun are too: no step to launch before a restart
+  HPCRUN_STEP_NODES=$nodes HPCRUN_NEXT_NODES="$srun_stderr.next" \
     python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
     || echo "[hpcrun] the failure step exited $? (none starts once SLURM ends or requeues the job)" >&2
   [ -s "$srun_stderr.next" ] || break

@@ -97,7 +97,7 @@ while :; do
   # SLURM counts such a step as running until it drops the lost node: the steps after it --overlap.
   failed_at=
   while kill -0 "$step" 2>/dev/null; do
-    sleep 1 & wait $! || true
+    sleep 0.5 & wait $! || true  # how soon a restart can start after the step ends
     if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
       failed_at=$SECONDS
     elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
