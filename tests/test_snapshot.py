@@ -15,16 +15,20 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
+import time
 import typing as tp
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpcrun import rundir, slurm
 from hpcrun.backend import prepare
 from hpcrun.plan import plan
 from hpcrun.recipe import load_recipe
 from hpcrun.runtime import snapshot
+from hpcrun.runtime.env import DistEnv
 from hpcrun.site import load_site
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
@@ -246,3 +250,37 @@ def test_local_run_with_snapshots_finishes_identically(tmp_path: Path) -> None:
     assert taken and skipped, logs
     assert int(taken[1]) >= 1 and int(taken[1]) + int(skipped[1] or 0) == 4, logs
     assert digests[0] == digests[2]
+
+
+class HeldWrite:
+    """An engine whose snapshot write waits until the test lets it go: a snapshot in flight
+    (a large state still being written or replicated) for as long as the test wants."""
+
+    replicated = False
+
+    def __init__(self) -> None:
+        self.writing, self.release = threading.Event(), threading.Event()
+
+    def snapshot_state(self, keep: bool) -> dict[str, tp.Any]:
+        return {}
+
+    def write_snapshot(self, staged: dict[str, tp.Any], path: Path) -> None:
+        self.writing.set()
+        self.release.wait(60)
+
+
+def test_a_stop_abandons_the_snapshot_in_flight(tmp_path: Path) -> None:
+    """A stop must fit in SLURM's KillWait, and a snapshot is of no use to a requeue (it resumes
+    from disk): closing after a stop returns while the snapshot is still being written, and the
+    snapshot is never published; its directories go."""
+    env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "7", "localhost", "7")
+    snaps = snapshot.Snapshots(tmp_path, "run", env, timeout_s=60, on_slurm=False)
+    engine = HeldWrite()
+    snaps.save(engine, 5, {"step": 5})
+    assert engine.writing.wait(30), "the snapshot's background write never began"
+    started = time.monotonic()
+    snaps.close(abandon=True)
+    assert time.monotonic() - started < 5, "the stop waited for the snapshot in flight"
+    engine.release.set()
+    wait_for(lambda: not snaps.busy, "the abandoned snapshot's thread", timeout=30)
+    assert not snaps.job_dir.exists(), sorted(str(p) for p in snaps.job_dir.rglob("*"))
