@@ -123,6 +123,8 @@ COLUMNS: dict[str, pa.DataType] = {
     # taken within it (a background write's cost shows only as slower steps); those of the warm-up
     # steps count in the two sums of stalls, not here. Null as wall_tokens_per_s is, but for want of tokens
     "recovery_overhead": F,
+    # a restart's wait at start for the previous attempt's processes to leave its nodes (the longest rank's)
+    "restart_wait_s": F,
     "slow_ranks": S,
     "resumed_from": S,  # memory / replica (in-memory snapshots), disk, or None: started from step 0
 }

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import typing as tp
 from pathlib import Path
@@ -107,6 +108,11 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     run_dir, job = submit(tmp_path, "in-job-kill")
     wait_checkpoint(run_dir)
     assert faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3]
+    # a process of the failed attempt that takes 15 s to leave (as a rank freeing tens of GB of
+    # pinned memory would): the restarted ranks wait for it before they train
+    linger_s, lingering = 15, time.time()
+    holder = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({linger_s})"],
+                              env={**os.environ, "SLURM_JOB_ID": job, "HPCRUN_ATTEMPT": "0"})
     node = faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
     gone = wait_gone(job, 0)  # every rank of the attempt gone within 30 s, not one requeue per rank
     faults.rank_pid(job, 0, timeout=60, attempt=1)
@@ -120,7 +126,11 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     failed = table[table.restart_count == 0].iloc[0]
     assert failed["status"] == "failed" and f"rank 3 on {node}" in failed["reason"], failed["reason"]
     assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 5)" in failed["reason"], failed["reason"]
+    holder.wait()
     first_step, stepped = attempt_starts(tmp_path, run_dir)[1]
+    restarted = table[table.restart_count == 1].iloc[0]
+    assert stepped >= lingering + linger_s and restarted["restart_wait_s"] >= 1, (
+        stepped - lingering, restarted["restart_wait_s"])
     print(
         f"\n[in-job restart] last rank gone -> new ranks started: {launched - gone:.1f} s; "
         f"-> first resumed step ({first_step}): {stepped - gone:.1f} s (start-up {stepped - launched:.1f} s)"

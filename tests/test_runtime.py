@@ -28,6 +28,7 @@ MEASURED = [
     "checkpoint_write_s",
     "snapshot_stall_s",
     "recovery_overhead",
+    "restart_wait_s",
     "start_time",
     "end_time",
 ]

@@ -14,7 +14,7 @@ from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import failure
+from hpcrun.runtime import failure, predecessors
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.function import CallRaised
@@ -37,12 +37,17 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         f" (requeues {env.requeues})",
         flush=True,
     )
+    # a restart inside the job: the previous attempt's ranks on this node may still be exiting
+    waited = 0.0
+    if spec.scheduler == "slurm" and env.restart_count > 0 and "SLURM_JOB_ID" in os.environ:
+        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], env.restart_count)
     # a command job's own script owns MASTER_PORT; a function creates its own process group, as under submitit
     if spec.recipe.job.kind not in ("command", "function"):
         if env.backend == "nccl":
             flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
     ctx = Context(spec, env, FLAG)
+    ctx.measured.restart_wait_s = waited
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
         try:
             lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.requeues,
@@ -113,10 +118,10 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
     peak = peak_memory_bytes(ctx.device)
     if collective:
         m.losses = ctx.global_losses()
-        if dist.is_initialized() and ctx.world_size > 1:
-            peak_t = torch.tensor([peak], dtype=torch.int64, device=ctx.device)
-            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-            peak = int(peak_t.item())
+        if dist.is_initialized() and ctx.world_size > 1:  # the largest of every rank's, and its longest wait
+            most = torch.tensor([peak, round(m.restart_wait_s * 1000)], dtype=torch.int64, device=ctx.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            peak, m.restart_wait_s = int(most[0].item()), int(most[1].item()) / 1000
     if not (ctx.env.is_main or not collective):
         return {}
     row = result_row(ctx, status, reason, peak)
