@@ -103,7 +103,7 @@ def test_a_call_that_raises_runs_once_and_its_error_is_the_result(tmp_path: Path
 
 def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
     ex = executor(tmp_path)
-    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_max_num_timeout=0)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_recipe={"checkpoint": {"max_requeues": 0}})
     progress = tmp_path / "progress"
     job = ex.submit(functions.Counter(), 300, 0.2, str(progress))
     wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1"), "the call's 2nd step", 120)
@@ -112,3 +112,23 @@ def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
         job.result()
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["COMPLETED"]  # never requeued
+
+
+def test_max_num_timeout_counts_the_stop_at_the_time_limit_not_an_earlier_one(tmp_path: Path) -> None:
+    """submitit's `max_num_timeout`: a USR2 long before the time limit (as a preemption's stop) is
+    requeued without counting; the USR2 SLURM sends the signal lead ahead of the limit is a timeout,
+    and with max_num_timeout=0 it ends the run, the call's error saying so."""
+    ex = executor(tmp_path)
+    # the limit's USR2 comes 150 to 210 s after the start; a stop after 120 s counts (hpcrun.runtime.timeouts)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=4, hpcrun_max_num_timeout=0)
+    progress = tmp_path / "progress"
+    job = ex.submit(functions.Counter(), 100_000, 0.2, str(progress))
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1"), "the call's 2nd step", 120)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    wait_for(lambda: records(job.job_id)[:1] == ["REQUEUED"], "the early stop's requeue", 120)
+    with pytest.raises(submitit.core.utils.FailedJobError, match="timeout cap reached"):
+        job.result()
+    wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["REQUEUED", "COMPLETED"]  # the limit's stop was not requeued
+    state = RunDir(job.paths.folder.parent).state()
+    assert state["status"] == "failed" and "at the time limit" in state["reason"], state
