@@ -224,7 +224,8 @@ def array_tag(specs: list[RunSpec]) -> str:
     return f"{specs[0].sweep_id}.{hashlib.sha256(json.dumps(history).encode()).hexdigest()[:10]}"
 
 
-def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | None, tag: str) -> list[str]:
+def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | None, tag: str,
+                 dependency: str | None = None) -> list[str]:
     """Points that render to the same script as one job array tagged `tag` (task `i` runs
     `specs[i]`); returns their job ids (`<array>_<index>`). A refused array leaves none of its
     fresh run directories behind; one whose answer is lost leaves them with their intents."""
@@ -242,7 +243,7 @@ def submit_array(specs: list[RunSpec], log_folder: Path, max_concurrent: int | N
         for index, run_dir in enumerate(run_dirs):
             run_dir.record_intent(tag, run_dirs[0].script, index=index, log_folder=str(log_folder))
         try:
-            return _sbatch_or_find(run_dirs)
+            return _sbatch_or_find(run_dirs, dependency)
         except slurm.LostAnswer:
             raise
         except SubmissionError:

@@ -7,6 +7,12 @@ modules, container and interconnect environment, hpcrun's rendered script, its s
 and failure handling. A `map_array` (or a `batch()`) of several calls is one job array whose
 task `i` runs the `i`-th call, throttled by `array_parallelism` (`%N`), like a sweep's arrays.
 
+SlurmExecutor's parameters are mapped as submitit means them (FIELDS, SLURM_NAMES) or refused with
+one line saying why (REFUSED). `max_num_timeout` bounds the requeues after a stop at the time
+limit (`checkpoint.max_timeouts`); a preemption is requeued without counting against it, as
+under submitit, while `checkpoint.max_requeues` (at most 4) still bounds every requeue. The
+executor's `folder` holds links to each call's logs and results (HpcrunExecutor).
+
 The plugin's parts are submitit's documented interface (docs/plugins.md): an Executor with
 `_internal_process_submissions`, `_convert_parameters` and `_valid_parameters`, the Job classes
 (SLURM's own for SLURM jobs, LocalJob for the local controller), and a JobEnvironment. Nothing
@@ -16,16 +22,19 @@ here imports torch: it runs on a login node and in notebooks.
 from __future__ import annotations
 
 import os
+import re
 import typing as tp
+import warnings
 from pathlib import Path
 
 from submitit.core import core
 from submitit.core.job_environment import JobEnvironment
-from submitit.core.utils import DelayedSubmission
+from submitit.core.utils import DelayedSubmission, JobPaths
 from submitit.slurm.slurm import SlurmJob
 
 from hpcrun import backend, slurm
 from hpcrun.errors import HpcrunError
+from hpcrun.fields import TOKEN_RE
 from hpcrun.plan import RunSpec, new_run_id, plan
 from hpcrun.recipe import apply_overrides, parse_recipe
 from hpcrun.rundir import LOGS, RunDir, atomic_path, sweep_dir
@@ -45,47 +54,88 @@ FIELDS = {
     "tasks_per_node": "resources.gpus_per_node",
     "gpus_per_node": "resources.gpus_per_node",
     "cpus_per_task": "resources.cpus_per_task",
+    "mem_gb": "resources.mem_gb",
     "partition": "resources.partition",
     "signal_delay_s": "checkpoint.signal_lead_s",
-    "max_num_timeout": "checkpoint.max_requeues",
+    "max_num_timeout": "checkpoint.max_timeouts",
     "array_parallelism": "",  # the array's `%N`, no recipe field
+    "dependency": "",  # sbatch's --dependency (`afterok:<job id>`), no recipe field
     "recipe": "",  # any other recipe fields, as a dict (env, checkpoint, fault, ...)
 }
-ALIASES = {"time": "timeout_min", "job_name": "name", "ntasks_per_node": "tasks_per_node"}  # SlurmExecutor's
+# SlurmExecutor's spellings. Not valid under AutoExecutor (`hpcrun_mem`): submitit maps an
+# unprefixed name any executor takes onto that executor's prefix, and would send a SLURM user's `mem` here
+SLURM_NAMES = {"time": "timeout_min", "job_name": "name", "ntasks_per_node": "tasks_per_node",
+               "num_gpus": "gpus_per_node", "mem": "mem_gb"}
+# SlurmExecutor's parameters whose value here can only be what hpcrun does anyway: that value is accepted
+AS_HPCRUN: dict[str, object] = {"stderr_to_stdout": False, "use_srun": True, "gpus_per_task": 1}
+SITE_SBATCH = "extra #SBATCH lines are the site profile's `environment.sbatch` (sites/<name>.yaml)"
+PER_NODE = "hpcrun asks for memory per node: use mem_gb (or mem), sent as --mem"
 # what cannot map, and why: a refusal names the parameter instead of dropping it silently
 REFUSED = {
-    "mem_gb": "hpcrun requests no memory: a run gets its partition's nodes (the site profile says how much)",
-    "mem": "hpcrun requests no memory: a run gets its partition's nodes (the site profile says how much)",
+    "mem_per_gpu": PER_NODE,
+    "mem_per_cpu": PER_NODE,
+    "cpus_per_gpu": "hpcrun runs one rank per GPU: use cpus_per_task",
+    "gpus_per_task": "hpcrun gives each rank one GPU (gpus_per_task=1): use gpus_per_node",
+    "gres": "the site's partition `gpu_request` asks for the GPUs gpus_per_node says",
     "stderr_to_stdout": "hpcrun keeps each rank's stdout and stderr apart (job.stdout(), job.stderr())",
     "account": "the site profile's `account` is used (sites/<name>.yaml)",
     "qos": "the site profile's `qos` is used (sites/<name>.yaml)",
     "constraint": "the site profile's partition `constraint` is used (sites/<name>.yaml)",
     "setup": "the site profile's `modules` and `environment` set up the job (sites/<name>.yaml)",
-    "additional_parameters": "extra #SBATCH lines are the site profile's `environment.sbatch`",
+    "teardown": "hpcrun's script owns what runs after the ranks (its failure step and requeue)",
+    "additional_parameters": SITE_SBATCH,
+    "exclusive": SITE_SBATCH,
+    "mail_type": SITE_SBATCH,
+    "mail_user": SITE_SBATCH,
+    "wckey": SITE_SBATCH,
+    "comment": "hpcrun's --comment tags the job with its submission (how a lost sbatch answer is found)",
+    "exclude": "hpcrun sets the job's excluded nodes itself: those that failed the run (fault.exclude_failed_nodes)",
+    "nodelist": "hpcrun places the ranks, on the nodes SLURM gives and spares for lost ones (resources.spare_nodes)",
     "srun_args": "hpcrun's template owns the srun line",
     "use_srun": "hpcrun always starts one task per rank with srun",
 }
+SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)B?$", re.IGNORECASE)
 
 
 def _canonical(key: str) -> str:
     key = key[len("slurm_"):] if key.startswith("slurm_") else key
-    return ALIASES.get(key, key)
+    return SLURM_NAMES.get(key, key)
+
+
+def _gigabytes(value: tp.Any, key: str) -> float:
+    """SLURM's `--mem` spelling (`16G`, `500M`, `16GB`; a bare number is megabytes) in GB."""
+    found = SIZE.match(str(value).strip()) if not isinstance(value, bool) else None
+    if found is None:
+        raise HpcrunError(f"must be a size such as 16G or 500M (got {value!r})", field=key)
+    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1, "T": 1024}[found[2].upper()]
+    return float(found[1]) * scale
 
 
 class HpcrunExecutor(core.Executor):
     """A submitit executor that submits through hpcrun's site `site` (a name on the site search
-    path or a YAML path). `folder` is accepted for submitit's interface: a call's files (pickles,
-    logs) live in its run directory, which `job.paths.folder` names (an array's in its shared log
-    folder); without one, the site's runs directory. `recipe` holds any other recipe fields."""
+    path or a YAML path); `recipe` holds any other recipe fields, `max_num_timeout` is submitit's
+    (also a parameter).
+
+    Files. A call's files live in its run directory, which hpcrun owns: `job.paths.folder` is the
+    run's logs/ (an array's shared log folder), where `<job>_<task>_log.out/.err` and
+    `<job>_<task>_result.pkl` are written. The `folder` given here (`%j` and the like formatted
+    as submitit does) gets links under submitit's names to them, made at submission: the
+    tasks' logs and results, `<job>_submitted.pkl` (the call) and `<job>_submission.sh` (the
+    script hpcrun submitted). Without a folder (hpcrun.Executor's default), none are made."""
 
     def __init__(
-        self, folder: str | Path | None = None, site: str = "local", recipe: dict[str, tp.Any] | None = None
+        self, folder: str | Path | None = None, site: str = "local", recipe: dict[str, tp.Any] | None = None,
+        max_num_timeout: int | None = None,
     ) -> None:
         self.site: Site = load_site(site)
         super().__init__(folder if folder is not None else self.site.storage.runs_dir)
+        # where links to each call's files go (`_show`): the folder a user gave, not the runs directory
+        runs_dir = Path(self.site.storage.runs_dir).expanduser().absolute()
+        self.links = self.folder if folder is not None and self.folder != runs_dir else None
         self.parameters = {}
-        if recipe is not None:
-            self._internal_update_parameters(recipe=recipe)
+        self._spelled: dict[str, str] = {}  # each parameter as the user spelled it: errors name that
+        given = {k: v for k, v in (("recipe", recipe), ("max_num_timeout", max_num_timeout)) if v is not None}
+        self._internal_update_parameters(**given)
 
     @classmethod
     def name(cls) -> str:
@@ -105,11 +155,12 @@ class HpcrunExecutor(core.Executor):
 
     def _internal_update_parameters(self, **kwargs: tp.Any) -> None:
         """Check every parameter now, as submitit does: one that cannot map is refused by name."""
-        update = {}
+        update, spelled = {}, {}
         for key, value in kwargs.items():
             name = _canonical(key)
             if name in REFUSED:
-                if name == "stderr_to_stdout" and not value:
+                if name in AS_HPCRUN and value == AS_HPCRUN[name] and type(value) is type(AS_HPCRUN[name]):
+                    spelled[name] = key  # gpus_per_task=1 still asks for GPUs: a CPU partition refuses it
                     continue
                 raise HpcrunError(f"cannot be mapped onto an hpcrun recipe: {REFUSED[name]}", field=key)
             if name not in FIELDS:
@@ -119,8 +170,17 @@ class HpcrunExecutor(core.Executor):
                 raise HpcrunError(f"must be a dict of recipe fields (got {type(value).__name__})", field=key)
             if name == "array_parallelism" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise HpcrunError(f"must be a whole number >= 1 (got {value!r})", field=key)
-            update[name] = value
+            if name == "dependency":
+                if self.site.scheduler == "local":
+                    raise HpcrunError("the local site starts each call at once: no dependencies", field=key)
+                if not isinstance(value, str) or not TOKEN_RE.match(value):
+                    raise HpcrunError(f"must be one sbatch --dependency value, e.g. afterok:123 (got {value!r})",
+                                      field=key)
+            if key.removeprefix("slurm_") == "mem":  # SLURM's spelling of a size
+                value = _gigabytes(value, key)
+            update[name], spelled[name] = value, key
         self.parameters.update(update)
+        self._spelled.update(spelled)
 
     def _internal_process_submissions(self, delayed_submissions: list[DelayedSubmission]) -> list[core.Job[tp.Any]]:
         """One run per call; several calls on SLURM are one job array."""
@@ -158,20 +218,20 @@ class HpcrunExecutor(core.Executor):
         try:
             recipe = parse_recipe(self._recipe(folder), where).base
             part = recipe.resources.partition or self.site.default_partition
-            asked = self.parameters.get("gpus_per_node")
+            asked = "gpus_per_node" if self.parameters.get("gpus_per_node") else "gpus_per_task"
             partition = self.site.partitions.get(part)
-            if asked and partition is not None and not partition.gpus_per_node:
+            if asked in self._spelled and partition is not None and not partition.gpus_per_node:
                 raise HpcrunError(f"partition {part!r} has no GPUs (its ranks are CPU processes: use tasks_per_node)",
-                                  where, "resources.gpus_per_node")
+                                  field=self._spelled[asked])
             return plan(self.site, recipe, where, run_id, **ids)
         except HpcrunError as exc:
-            raise _by_parameter(exc, self.parameters) from None
+            raise _by_parameter(exc, self.parameters, self._spelled) from None
 
     def _submit_one(self, delayed: DelayedSubmission) -> core.Job[tp.Any]:
         spec = self._spec_for(None, new_run_id(self._name()))
         run_dir = RunDir(backend.prepare_run(spec))
         _dump(delayed, spec)
-        job_id = backend.submit(spec)
+        job_id = backend.submit(spec, self.parameters.get("dependency"))
         return self._job(spec, run_dir.logs, job_id)
 
     def _submit_array(self, delayed_submissions: list[DelayedSubmission]) -> list[core.Job[tp.Any]]:
@@ -184,7 +244,7 @@ class HpcrunExecutor(core.Executor):
         for spec, delayed in zip(specs, delayed_submissions):
             _dump(delayed, spec)
         job_ids = backend.submit_array(specs, log_folder, self.parameters.get("array_parallelism"),
-                                       backend.array_tag(specs))
+                                       backend.array_tag(specs), self.parameters.get("dependency"))
         return [self._job(spec, log_folder, job_id) for spec, job_id in zip(specs, job_ids)]
 
     def _job(self, spec: RunSpec, folder: Path, job_id: str) -> core.Job[tp.Any]:
@@ -193,23 +253,59 @@ class HpcrunExecutor(core.Executor):
         job = LocalJob(folder, job_id, tasks) if spec.scheduler == "local" else SlurmJob(folder, job_id, tasks)
         if not job.paths.submitted_pickle.exists():  # job.submission() reads the call from there
             job.paths.submitted_pickle.symlink_to(RunDir(spec.run_dir).function)
+        if self.links is not None:
+            self._show(spec, folder, job_id, tasks)
         return job
+
+    def _show(self, spec: RunSpec, folder: Path, job_id: str, tasks: list[int]) -> None:
+        """The call's files where a submitit user looks for them, in the folder given to the
+        executor (`%j` and the like formatted as submitit does): links named as submitit names
+        its files, to the run's (its logs and results appear as the job writes them). A failure
+        here is a warning: the job is submitted already, and this returns its handle."""
+        assert self.links is not None
+        run_dir = RunDir(spec.run_dir)
+        links = {JobPaths(self.links, job_id).submitted_pickle: run_dir.function,
+                 JobPaths(self.links, job_id).submission_file: run_dir.script}
+        for task in tasks:
+            mine, theirs = JobPaths(self.links, job_id, task), JobPaths(folder, job_id, task)
+            links.update({mine.stdout: theirs.stdout, mine.stderr: theirs.stderr,
+                          mine.result_pickle: theirs.result_pickle})
+        try:
+            for link, target in links.items():
+                _link(link, target)
+        except OSError as exc:
+            warnings.warn(f"{self.links}: no links to job {job_id}'s files ({exc.strerror}): they are in {folder}",
+                          stacklevel=2)
+
+
+def _link(link: Path, target: Path) -> None:
+    """`link` to `target`, replacing a link of that name (local job ids are process ids, which
+    come again) but never a file: a user's own file stays."""
+    if link.exists() and not link.is_symlink():
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
 
 
 def _dump(delayed: DelayedSubmission, spec: RunSpec) -> None:
     """The call into its run directory, carrying its limits as submitit's own executors set them."""
-    delayed.set_timeout(spec.time_min, spec.recipe.checkpoint.max_requeues)
+    caps = spec.recipe.checkpoint
+    delayed.set_timeout(spec.time_min, caps.max_requeues if caps.max_timeouts is None else caps.max_timeouts)
     run_dir = RunDir(spec.run_dir)
     with atomic_path(run_dir.function) as tmp:
         delayed.dump(tmp)
 
 
-def _by_parameter(exc: HpcrunError, parameters: dict[str, tp.Any]) -> HpcrunError:
-    """A planner's refusal of a recipe field, said of the executor parameter that set it."""
+def _by_parameter(exc: HpcrunError, parameters: dict[str, tp.Any], spelled: dict[str, str]) -> HpcrunError:
+    """A planner's refusal of a recipe field, said of the executor parameter that set it (as the
+    user spelled it: `mem`, `slurm_partition`)."""
     for name, field in FIELDS.items():
         if field and exc.field == field and name in parameters:
             prefix = ": ".join(p for p in (exc.file, exc.field) if p)
-            return HpcrunError(exc.message[len(prefix) + 2:], field=name)
+            return HpcrunError(exc.message[len(prefix) + 2:], field=spelled.get(name, name))
     return exc
 
 

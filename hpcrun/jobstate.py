@@ -10,6 +10,8 @@ import enum
 
 # state.json's count of a job's restarts inside its allocations (fault.restarts_in_job; status's IN-JOB)
 IN_JOB = "restarts_in_job"
+# state.json's count of a job's requeues after a stop at its time limit (checkpoint.max_timeouts)
+TIMEOUTS = "timeouts"
 
 
 class Phase(enum.Enum):

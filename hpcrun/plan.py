@@ -195,6 +195,14 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             where,
             "resources.time",
         )
+    if res.mem_gb is not None:
+        if res.mem_gb > part.memory_gb:
+            raise HpcrunError(f"must be <= {part.memory_gb:g}, the memory per node of partition {part_name!r} "
+                              f"(got {res.mem_gb:g})", where, "resources.mem_gb")
+        asked = next((o for o in site.environment.sbatch if o.startswith("--mem")), None)
+        if asked:
+            raise HpcrunError(f"the site profile asks for memory already ({asked} in environment.sbatch)",
+                              where, "resources.mem_gb")
     strategy = recipe.strategy
     try:  # what the strategy cannot do here (gloo on CPU, no NVMe), said before anything is submitted
         strategy.check(recipe, part, site)

@@ -76,6 +76,9 @@ class Resources(Frozen):
     partition: Token | None = None
     time: Minutes = 60
     cpus_per_task: int | None = pydantic.Field(default=None, ge=1)
+    mem_gb: float | None = pydantic.Field(default=None, gt=0)
+    """Memory per node to ask SLURM for (`#SBATCH --mem`), at most the partition's `memory_gb`.
+    None: none asked for, the partition's default."""
     spare_nodes: int = pydantic.Field(default=0, ge=0, le=16)
     """Hot spares: the job holds `nodes + spare_nodes` nodes and trains on `nodes`; a node lost (or
     excluded as slow) is replaced by a spare at the next restart inside the job (fault.restarts_in_job)."""
@@ -109,6 +112,11 @@ class Checkpoint(Frozen):
     `max_minutes` apart. The last step and a stop for a signal are always saved."""
     keep: int = 2
     max_requeues: int = pydantic.Field(default=3, ge=0, le=4)
+    max_timeouts: int | None = pydantic.Field(default=None, ge=0)
+    """How many of a job's requeues may follow a stop at its time limit (submitit's `max_num_timeout`):
+    a stop whose signal came within the signal lead of the job's time limit (and 90 s: SLURM's
+    resolution and the job's start) counts, a preemption does not. None: not counted apart
+    (`max_requeues` bounds every requeue, timeouts included, as it does in any case)."""
     signal_lead_s: int | None = pydantic.Field(default=None, ge=10)
     export_final: bool = False  # write final-weights.pt (full fp32, any strategy can load it) and its sha256
     # DDP/FSDP: write in the background; training stalls only for a copy of the rank's state into
@@ -134,6 +142,15 @@ class Checkpoint(Frozen):
     def _keep(cls, value: int) -> int:
         if value < 2:
             raise ValueError(f"keep at least 2 checkpoints: the last one may still be being written (got {value})")
+        return value
+
+    @pydantic.field_validator("max_timeouts")
+    @classmethod
+    def _within_requeues(cls, value: int | None, info: pydantic.ValidationInfo) -> int | None:
+        cap = info.data.get("max_requeues")
+        if value is not None and cap is not None and value > cap:
+            raise ValueError(f"must be <= checkpoint.max_requeues ({cap}), which bounds every requeue, "
+                             f"timeouts included (got {value})")
         return value
 
 

@@ -39,6 +39,14 @@ def environment(extra_dir: str | None) -> jinja2.Environment:
     return env
 
 
+def sbatch_mem(gigabytes: float | None) -> str | None:
+    """`--mem`'s value for memory per node in GB (SLURM's G is 1024 M), as submitit writes it."""
+    if gigabytes is None:
+        return None
+    # never 0 (SLURM's "all of the node's memory") for a fraction of a megabyte
+    return f"{int(gigabytes)}G" if gigabytes == int(gigabytes) else f"{max(1, int(gigabytes * 1024))}M"
+
+
 def python_command(spec: RunSpec) -> str:
     """How a task starts Python: the site's interpreter (e.g. inside a container) or the one
     running hpcrun, which is what submitit does by default. Each word is quoted: the site's
@@ -94,6 +102,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         recipe=spec.recipe,
         time=format_minutes(spec.time_min),
         gpu_directive=part.gpu_directive(spec.gpus_per_node),
+        mem=sbatch_mem(spec.recipe.resources.mem_gb),
         constraint=part.constraint,
         env=spec.env,
         container=site.environment.container,

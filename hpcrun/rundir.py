@@ -216,6 +216,11 @@ class RunDir:
     def lightning(self) -> Path:
         return self.path / LIGHTNING
 
+    def starts(self, allocation_id: str) -> Path:
+        """The batch script's line per start of the training step in one allocation (SLURM_JOB_ID):
+        `<SLURM_RESTART_COUNT> <restarts in the job> <epoch seconds> <nodes>`, oldest first."""
+        return self.path / STARTS / allocation_id
+
     def exit_record(self, job_id: str, restart: int, rank: int) -> Path:
         """What a failing rank knew as it failed (error, step, node, its row so far): read once,
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""

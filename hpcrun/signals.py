@@ -31,6 +31,7 @@ STUCK_S = 5.0  # well under SLURM's default MessageTimeout (10 s)
 class SignalFlag:
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.at: float | None = None  # when the first stop signal came (epoch seconds): a timeout or not
         self.child: subprocess.Popen[bytes] | None = None  # a command job's process, which gets it forwarded
         self.forwarded = False
         self.terms_handled = 0  # SIGTERMs the Python handler has seen (the watcher compares)
@@ -54,6 +55,7 @@ class SignalFlag:
 
     def _handle(self, signum: int, frame: tp.Any) -> None:
         self.signum = signum
+        self.at = self.at or time.time()
         if signum == signal.SIGTERM:
             self.terms_handled += 1
         self.forward()

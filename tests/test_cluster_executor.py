@@ -103,7 +103,7 @@ def test_a_call_that_raises_runs_once_and_its_error_is_the_result(tmp_path: Path
 
 def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
     ex = executor(tmp_path)
-    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_max_num_timeout=0)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_recipe={"checkpoint": {"max_requeues": 0}})
     progress = tmp_path / "progress"
     job = ex.submit(functions.Counter(), 300, 0.2, str(progress))
     wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1"), "the call's 2nd step", 120)
@@ -112,3 +112,4 @@ def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
         job.result()
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["COMPLETED"]  # never requeued
+

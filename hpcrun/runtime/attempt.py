@@ -5,16 +5,18 @@ of the final weights. The loop itself is hpcrun.runtime.context and hpcrun.runti
 from __future__ import annotations
 
 import os
+import time
 import typing as tp
 
 import torch
 import torch.distributed as dist
 
+from hpcrun import jobstate
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import failure, predecessors
+from hpcrun.runtime import failure, predecessors, timeouts
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.function import CallRaised
@@ -57,12 +59,12 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
             ctx.info(f"could not check how the previous attempt ended: {exc.format_message()}")
         if lost:
             ctx.info(f"previous attempt: {lost}")
-    status, reason = "completed", None
+    status, reason, job_timeouts = "completed", None, None
     try:
         JOBS[spec.recipe.job.kind](ctx)
         ctx.checkpoints.wait()  # a job that left `steps()` early may have a save in flight
         if ctx.stopped:
-            status, reason = stop_decision(ctx)
+            status, reason, job_timeouts = stop_decision(ctx)
         ctx.close_snapshots(status)
     except Exception as exc:
         raised = isinstance(exc, CallRaised)
@@ -75,7 +77,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         raise
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
-    row = finish(ctx, status, reason, collective=True)
+    row = finish(ctx, status, reason, collective=True, job_timeouts=job_timeouts)
     for then in ctx.when_recorded:
         then()
     if status == "requeued" and env.is_main:
@@ -87,16 +89,29 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
 
 
-def stop_decision(ctx: Context) -> tuple[str, str | None]:
-    """After the stop checkpoint: requeue on SLURM unless the cap is reached. Locally,
-    `hpcrun resume` continues."""
-    cap = ctx.recipe.checkpoint.max_requeues
+def stop_decision(ctx: Context) -> tuple[str, str | None, int | None]:
+    """After the stop checkpoint: requeue on SLURM unless a cap is reached (`max_requeues`, and
+    `max_timeouts` for a stop at the time limit). Locally, `hpcrun resume` continues. Also returns
+    the job's count of timeouts after this one when it is one that is counted (else None)."""
+    caps = ctx.recipe.checkpoint
     where = f"{ctx.stopped} at step {ctx.step + 1}"
     if ctx.spec.scheduler != "slurm":
-        return "stopped", f"{where}; continue with hpcrun resume"
-    if ctx.env.requeues >= cap:
-        return "failed", f"requeue cap reached ({cap} requeues); {where}"
-    return "requeued", where
+        return "stopped", f"{where}; continue with hpcrun resume", None
+    if ctx.env.requeues >= caps.max_requeues:
+        return "failed", f"requeue cap reached ({caps.max_requeues} requeues); {where}", None
+    if caps.max_timeouts is None:
+        return "requeued", where, None
+    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
+    started = timeouts.allocation_start(ctx.run_dir, ctx.env.allocation_id, ctx.env.restart_count, in_job)
+    if started is None:
+        ctx.info("no record of when this job started: its stop is not counted as a timeout")
+        return "requeued", where, None
+    if not timeouts.timed_out(started, ctx.flag.at or time.time(), ctx.spec.time_min, ctx.spec.signal_lead_s):
+        return "requeued", f"{where}, before the time limit", None
+    done = timeouts.counted(ctx.run_dir.state(), ctx.env.job_id)
+    if done >= caps.max_timeouts:
+        return "failed", f"timeout cap reached ({caps.max_timeouts} timeouts); {where}, at the time limit", None
+    return "requeued", f"{where}, at the time limit (timeout {done + 1} of {caps.max_timeouts})", done + 1
 
 
 def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
@@ -108,11 +123,12 @@ def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     failure.requeue(run_dir, env.job_id, env.restart_count, env.requeues, last_try=False)
 
 
-def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> dict[str, tp.Any]:
+def finish(ctx: Context, status: str, reason: str | None, collective: bool,
+           job_timeouts: int | None = None) -> dict[str, tp.Any]:
     """Gather across ranks (when all are alive) and write this attempt's state.json, its results
     row and its losses (rank 0, or locally the first failing rank, since a failed rank 0 may
     never get here). One row per attempt: a writer that finds the attempt failed already
-    writes nothing."""
+    writes nothing. `job_timeouts`: the job's count of timeouts, when this stop added one."""
     m = ctx.measured
     m.checkpoint_writes = ctx.checkpoints.write_times
     peak = peak_memory_bytes(ctx.device)
@@ -147,7 +163,8 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool) -> d
         if m.losses:
             atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
         wrote = True
-        return {**attempt, **failure.run_long(current, job_id)}  # failed and excluded nodes stay the run's
+        counted = {jobstate.TIMEOUTS: job_timeouts} if job_timeouts is not None else {}
+        return {**attempt, **failure.run_long(current, job_id), **counted}  # failed and excluded nodes stay the run's
 
     ctx.run_dir.update_state(merge)
     return row if wrote else {}

@@ -173,11 +173,11 @@ def first_failure(srun_stderr: str, records: list[dict[str, tp.Any]]) -> Failure
 
 
 def run_long(state: dict[str, tp.Any], job_id: str | None = None) -> dict[str, tp.Any]:
-    """What state.json keeps across attempts: the run's nodes and slow ranks, and the count of
-    restarts inside `job_id` while it is that job's."""
+    """What state.json keeps across attempts: the run's nodes and slow ranks, and the counts of
+    restarts inside `job_id` and of its requeues after a timeout while it is that job's."""
     kept = {k: state[k] for k in RUN_LONG if k in state}
-    if job_id is not None and state.get("job_id") == job_id and state.get(jobstate.IN_JOB):
-        kept[jobstate.IN_JOB] = state[jobstate.IN_JOB]
+    if job_id is not None and state.get("job_id") == job_id:
+        kept.update({k: state[k] for k in (jobstate.IN_JOB, jobstate.TIMEOUTS) if state.get(k)})
     return kept
 
 
