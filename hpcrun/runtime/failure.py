@@ -4,8 +4,7 @@ When one rank dies, the others fail a moment later ("Connection closed by peer")
 by srun (`--kill-on-bad-exit`); none of them knows who died first. So a failing rank only leaves
 an exit record (its error, step and node: hpcrun.rundir's `exit_record`), and the batch script,
 which outlives srun, runs `python -m hpcrun.runtime.failure RUN_DIR STATUS` (srun's messages on its
-stdin) once the step has ended (in the batch shell, or as one task inside the ranks' container
-where the site has one: where their interpreter is): srun's own messages
+stdin) once the step has ended, as one task inside the ranks' container: srun's own messages
 ("srun: error: node2: task 3: Killed") say which task ended first. That one process writes the
 attempt's results row and state.json and decides the requeue.
 

@@ -111,8 +111,10 @@ while :; do
   # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
   trap '' USR2 TERM
   [ "$step_status" -ne 0 ] || break
-  # here, where the ranks' interpreter and hpcrun are too: no step to launch before a restart
-  HPCRUN_STEP_NODES=$nodes HPCRUN_NEXT_NODES="$srun_stderr.next" \
+  # one task on this node, inside the same container as the ranks: the interpreter named by
+  # the site exists there, and so does hpcrun
+  HPCRUN_STEP_NODES=$nodes HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
+    --nodelist="$SLURMD_NODENAME" \
     /usr/bin/python3 -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
     || echo "[hpcrun] the failure step exited $? (none starts once SLURM ends or requeues the job)" >&2
   [ -s "$srun_stderr.next" ] || break
