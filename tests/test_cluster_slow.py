@@ -1,6 +1,5 @@
 """A slow node, for real: one rank throttled by the kernel (a CPU cgroup) is named with its node,
-and with `fault.exclude_slow_nodes` the requeued job leaves that node out (hpcrun.runtime.straggler).
-Its own file so that pytest-xdist (--dist loadfile) can run it beside tests/test_cluster_faults.py."""
+and with `fault.exclude_slow_nodes` the requeued job leaves that node out (hpcrun.runtime.straggler)."""
 
 from __future__ import annotations
 
