@@ -60,3 +60,30 @@ class Counter(submitit.helpers.Checkpointable):
             self.done += 1
             Path(progress).write_text(str(self.done))
         return {"done": self.done, "resumed_from": self.resumed_from, "restarts": self.restarts}
+
+
+class CollectiveCounter(submitit.helpers.Checkpointable):
+    """Counts to `total` in all-reduces over the call's own gloo process group, rank r pausing
+    r x `pause_s` before each: a stop finds the ranks in different places (some inside the
+    collective, waiting for a peer still pausing). Rank 0 writes its count to `progress`."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.restarts: list[str] = []
+
+    def __call__(self, total: int, pause_s: float, progress: str) -> dict[str, tp.Any]:
+        import torch
+        import torch.distributed as dist
+
+        self.restarts.append(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        dist.init_process_group("gloo")  # hpcrun's rendezvous: MASTER_ADDR/PORT, RANK, WORLD_SIZE
+        rank = dist.get_rank()
+        while self.done < total:
+            time.sleep(rank * pause_s)
+            dist.all_reduce(torch.ones(1))
+            self.done += 1
+            if rank == 0:
+                Path(progress).write_text(str(self.done))
+        world = dist.get_world_size()
+        dist.destroy_process_group()
+        return {"done": self.done, "world": world, "restarts": self.restarts}

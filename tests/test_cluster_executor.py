@@ -115,3 +115,22 @@ def test_a_stop_past_the_requeue_cap_is_the_calls_error(tmp_path: Path) -> None:
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["COMPLETED"]  # never requeued
 
+
+def test_a_function_job_stopped_mid_collective_requeues(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, rank r entering each all-reduce r x 0.3 s after rank 0: USR2 finds rank 0
+    inside the collective, waiting for peers still pausing, which leave the call. No rank runs
+    another collective on the call's group after the stop (before: one did, and the job hung
+    until its time limit, TIMEOUT and no requeue); it is requeued once and the call continues
+    from its checkpoint to the end."""
+    ex = executor(tmp_path)
+    ex.update_parameters(nodes=2, tasks_per_node=2, timeout_min=5)
+    progress = tmp_path / "progress"
+    job = ex.submit(functions.CollectiveCounter(), 60, 0.3, str(progress))
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1", "2", "3"), "the call's 4th step", 180)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    started = time.monotonic()
+    results = job.results()  # one per rank
+    assert [(r["done"], r["world"], r["restarts"]) for r in results] == [(60, 4, ["0", "1"])] * 4, results
+    wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["REQUEUED", "COMPLETED"]
+    assert time.monotonic() - started < 180  # the requeue hold, a start-up and the 56 calls left (<= 55 s)

@@ -77,14 +77,21 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         raise
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
-    row = finish(ctx, status, reason, collective=True, job_timeouts=job_timeouts)
+    # a stopped function job's ranks may have been interrupted in different collectives of the
+    # call's own process group: none runs another there (it could hang until the time limit);
+    # rank 0 alone records and requeues the stop, and a rank left waiting for a peer that has
+    # gone is released by the peer's exit
+    alone = spec.recipe.job.kind == "function" and ctx.stopped is not None
+    row = {}
+    if env.is_main or not alone:
+        row = finish(ctx, status, reason, collective=not alone, job_timeouts=job_timeouts)
     for then in ctx.when_recorded:
         then()
     if status == "requeued" and env.is_main:
         # before destroy_process_group: a rank that exits badly meanwhile gets rank 0 killed
         # (--kill-on-bad-exit); then the failure step, seeing `requeueing`, requeues instead
         requeue_now(env, ctx.run_dir)
-    if dist.is_initialized():
+    if dist.is_initialized() and not alone:
         dist.destroy_process_group()
     return {"status": status, "reason": reason, "rank": env.rank, "step": ctx.step, "final_loss": row.get("final_loss")}
 

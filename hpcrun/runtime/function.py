@@ -15,6 +15,10 @@ returns the DelayedSubmission to run next, which replaces the run's pickle; the 
 ends as a stopped one and hpcrun requeues it (hpcrun.runtime.attempt). A callable without
 `checkpoint` is called again from the start, as submitit does after a preemption.
 
+A stop may find the ranks in different collectives of the call's process group: no rank runs
+another collective after it, rank 0 alone records and requeues it (hpcrun.runtime.attempt), and
+an error a rank gets once the stop has come (a peer that left a collective) is the stop's.
+
 Raising. An exception from the call is its outcome, not a fault: the error result is written,
 the rank fails with CallRaised, and the failure step (hpcrun.runtime.failure) neither restarts
 nor requeues the attempt, so the call runs once, as under submitit.
@@ -70,16 +74,23 @@ def run_function(ctx: Context) -> None:
         finally:
             ctx.flag.interrupt = None
     except Interrupted as stop:
-        ctx.stopped = signal.Signals(stop.signum).name
-        if ctx.env.is_main:
-            checkpoint(ctx, delayed)
-            ctx.when_recorded.append(lambda: _if_ended(ctx, result))
-        ctx.info(f"{ctx.stopped}: the call was interrupted, stopping for requeue")
-        return
+        return stopped(ctx, delayed, result, stop.signum)
     except Exception as exc:
+        if ctx.flag.signum is not None:  # after a stop: its consequence (a peer left a collective), not the call's
+            return stopped(ctx, delayed, result, ctx.flag.signum)
         _write(result, ("error", traceback.format_exc()))
         raise CallRaised(f"{type(exc).__name__}: {exc}") from exc
     ctx.when_recorded.append(lambda: _write(result, ("success", value)))
+
+
+def stopped(ctx: Context, delayed: DelayedSubmission, result: Path, signum: int) -> None:
+    """The call was interrupted by a stop: rank 0 checkpoints it (submitit's protocol) and, should
+    the stop end the run, makes its error the call's result."""
+    ctx.stopped = signal.Signals(signum).name
+    if ctx.env.is_main:
+        checkpoint(ctx, delayed)
+        ctx.when_recorded.append(lambda: _if_ended(ctx, result))
+    ctx.info(f"{ctx.stopped}: the call was interrupted, stopping for requeue")
 
 
 def checkpoint(ctx: Context, delayed: DelayedSubmission) -> None:
