@@ -117,12 +117,16 @@ def test_status_wait_ends_when_a_preemption_cancels_the_job(shared: Path) -> Non
     rec = recipe(shared, "fragile", training={"steps": 100000, "lr": 0.001}, checkpoint={"interval": 100000},
                  resources={"nodes": 1, "gpus_per_node": 1, "time": "00:10:00", "partition": pool.partition("fragile")})
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
-    wait_state(site, run_dir, {"RUNNING"})
-    urgent = subprocess.run(
-        ["sbatch", "--parsable", "-p", pool.partition("urgent"), "-N2", "-o", "/dev/null", "--wrap", "sleep 1"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip().split(";")[0]
-    out = hpcrun("status", "--site", str(site), run_dir.name, "--wait", "--timeout", "120", check=False)
+    try:
+        wait_state(site, run_dir, {"RUNNING"})
+        every_cpu = ["-N2", "-n4"]  # of both nodes: it must preempt
+        urgent = subprocess.run(
+            ["sbatch", "--parsable", "-p", pool.partition("urgent"), *every_cpu, "-o", "/dev/null", "--wrap", "true"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip().split(";")[0]
+        out = hpcrun("status", "--site", str(site), run_dir.name, "--wait", "--timeout", "120", check=False)
+    finally:  # never left holding the pool's nodes
+        hpcrun("cancel", "--site", str(site), run_dir.name, check=False)
     assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)  # failed; 124: still waiting
     assert "PREEMPTED_CANCELLED" in out.stdout, out.stdout
     ran = subprocess.run(["sacct", "-X", "-n", "-P", "-j", urgent, "-o", "State"], capture_output=True, text=True)

@@ -99,7 +99,7 @@ def test_a_call_that_raises_runs_once_and_its_error_is_the_result(tmp_path: Path
     assert records(job.job_id) == ["FAILED"]  # never requeued
     state = RunDir(job.paths.folder.parent).state()
     assert state["status"] == "failed" and state["restarts_in_job"] == 0, state
-    assert state["reason"].startswith("ValueError: the call's own error") and "not run again" in state["reason"], state
+    assert "ValueError: the call's own error" in state["reason"] and "not run again" in state["reason"], state
     assert ran.read_text().splitlines() == ["0"]
 
 

@@ -171,3 +171,19 @@ def test_watchdog_times_steps_again_after_a_save(tmp_path: Path) -> None:
 def test_derived_timeout_has_a_floor() -> None:
     assert derived_timeout([0.1, 0.2, 0.1, 0.3, 0.1]) == FLOOR_S
     assert derived_timeout([30.0, 31.0, 29.0, 30.0, 30.0]) == 600.0
+
+
+def test_a_stopped_rank_that_slurm_let_run_again_is_still_named(tmp_path: Path) -> None:
+    """SLURM ends a step with SIGCONT before SIGKILL, so a SIGSTOPped rank may beat once more
+    after the hang was declared (seen on the test cluster): its previous beat says when it last
+    ran. A rank that beat all along (waiting in the collective) is not named."""
+    run_dir = RunDir(tmp_path)
+    hung_at = time.time()
+    fresh = heartbeat.write(run_dir, "7", 0, 1, 11, hung_at - 20, before=hung_at - 24)  # alive all along
+    resumed = heartbeat.write(run_dir, "7", 0, 2, 11, hung_at - 20, before=hung_at - 22)  # stopped 22 s, then woken
+    assert fresh >= hung_at and resumed >= hung_at
+    fresh_path = run_dir.heartbeat("7", 0, 1)
+    beat = json.loads(fresh_path.read_text())
+    fresh_path.write_text(json.dumps({**beat, "alive": hung_at - 3, "before": hung_at - 8}))
+    found = heartbeat.silent(run_dir, "7", 0, 3, hung_at, skip=0)
+    assert [f.split(" (")[0] for f in found] == ["rank 2 on " + beat["host"]], found

@@ -31,12 +31,17 @@ def interval(world_size: int) -> float:
     return max(HEARTBEAT_S, world_size / HEARTBEATS_PER_S)
 
 
-def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, stepped: float) -> None:
-    """This rank's last step (`stepped`: when, unix time) and that this process still runs."""
+def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, stepped: float,
+          before: float | None = None) -> float:
+    """This rank's last step (`stepped`: when, unix time) and that this process still runs, with
+    when it last said so (`before`). Returns the time it says it ran (the next `before`)."""
     path = run_dir.heartbeat(job_id, restart, rank)
     path.parent.mkdir(exist_ok=True)
-    beat = {"rank": rank, "host": slurm.node_name(os.environ), "step": step, "stepped": stepped, "alive": time.time()}
+    alive = time.time()
+    beat = {"rank": rank, "host": slurm.node_name(os.environ), "step": step, "stepped": stepped, "alive": alive,
+            "before": before}
     replace_whole(path, json.dumps(beat))  # a heartbeat lost to a crash says what a stale one says
+    return alive
 
 
 def silent(run_dir: RunDir, job_id: str, restart: int, world_size: int, at: float,
@@ -60,6 +65,10 @@ def silent(run_dir: RunDir, job_id: str, restart: int, world_size: int, at: floa
         except (OSError, ValueError, TypeError, KeyError) as exc:
             found.append(f"rank {rank} (heartbeat unreadable: {path}: {type(exc).__name__})")
             continue
+        if alive > at and isinstance(beat.get("before"), (int, float)):
+            # written after the hang was declared: a stopped process that SLURM's end of the step
+            # let run again (SIGCONT comes before SIGKILL); its previous beat says when it last ran
+            alive = float(beat["before"])
         if at - alive > stale_s:
             found.append(f"rank {rank} on {host} (not running for {at - alive:.0f} s; last step {step + 1})")
     return found

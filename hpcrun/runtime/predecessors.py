@@ -46,8 +46,13 @@ def wait_gone(job_id: str, attempt: int, timeout: float = WAIT_S) -> float:
     """Seconds waited until no process of an earlier attempt of `job_id` runs here (at most
     `timeout`; then a line on stderr)."""
     start = time.monotonic()
-    while (left := earlier(job_id, attempt)) and time.monotonic() - start < timeout:
+    left = earlier(job_id, attempt)
+    if left:
+        print(f"[hpcrun] waiting for earlier attempts' processes on this node to exit: pids "
+              f"{', '.join(map(str, left[:8]))}", file=sys.stderr, flush=True)
+    while left and time.monotonic() - start < timeout:
         time.sleep(POLL_S)
+        left = earlier(job_id, attempt)
     waited = time.monotonic() - start
     if left:
         print(f"[hpcrun] starting beside attempt < {attempt}'s processes still here after {waited:.0f} s: "

@@ -72,6 +72,7 @@ class Watchdog:
         self.step = -1  # no step completed yet: not timed (see the module's docstring)
         self.saves = 0  # saves in progress: not timed
         self.written = 0.0
+        self.beaten: float | None = None  # when the last heartbeat said this process ran (unix time)
         self.interval = heartbeat.interval(world_size)
         self.cpu_s = 0.0  # this thread's CPU time, known when it ends
         self.done = threading.Event()
@@ -114,7 +115,8 @@ class Watchdog:
                     self.fire(timeout)
                 if time.monotonic() - self.written >= self.interval:
                     self.written = time.monotonic()  # a failing write is retried (and told) once an interval
-                    heartbeat.write(self.run_dir, self.job_id, self.restart, self.rank, self.step, self.last_wall)
+                    self.beaten = heartbeat.write(self.run_dir, self.job_id, self.restart, self.rank, self.step,
+                                                self.last_wall, self.beaten)
             except Exception as exc:  # noqa: BLE001 - a guard that dies guards nothing
                 self.say(f"watchdog: heartbeat not written, watching on: {type(exc).__name__}: {exc}")
         self.cpu_s = time.thread_time()
