@@ -1,9 +1,9 @@
-"""Real failures on the SLURM test cluster: a job that crashes at the same step every time (a
-SIGKILLed or SIGSTOPped rank, restarted inside the job: tests/test_cluster_in_job.py; a lost
-node: tests/test_cluster_lost_node.py). Each job
-lasts a bounded time (a pause per step), each test says what one record of the failed attempt must
-hold, and each run that completes ends with the weights (sha256) of the same training never
-interrupted."""
+"""The same crash twice, on the SLURM test cluster: a job whose last rank fails at the same step
+in every attempt stops after its second (a restart inside the job), with the reason, instead of
+using up its restarts and requeues. Also the helpers the other fault files share (`submit`,
+`wait_done`, `wait_checkpoint`, `records`, the training and its checkpoints): a SIGKILLed or
+SIGSTOPped rank and a lost spare are tests/test_cluster_in_job.py's, a lost node
+tests/test_cluster_lost_node.py's, a slow one tests/test_cluster_slow.py's."""
 
 from __future__ import annotations
 

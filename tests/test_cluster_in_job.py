@@ -23,7 +23,18 @@ from hpcrun import rundir
 from tests import faults, pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.runs import (
+    STRATEGIES,
+    baseline_weights,
+    hpcrun,
+    local_baseline,
+    recipe,
+    rows,
+    run_dir_of,
+    site_copy,
+    state,
+    wait_for,
+)
 from tests.test_cluster_faults import CHECKPOINT, TRAINING, records, wait_checkpoint, wait_done
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -267,14 +278,25 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     assert not any(left.values()), f"snapshots left after the job: {left}"
 
 
-def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, baseline: Path) -> None:
-    """SIGKILL of every rank at once (the batch script alive), past the disk checkpoint: the
-    restart inside the job resumes from the in-memory snapshot, recomputing at most
-    `checkpoint.memory_interval` steps, not the disk interval's, with identical weights."""
+@pytest.fixture(scope="module")
+def baseline_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run at world size 4 with FSDP (full shard)."""
+    return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT, strategy=STRATEGIES["fsdp"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_rank_killed_resumes_from_the_memory_snapshot(
+    strategy: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """SIGKILL of every rank of 2 nodes x 2 at once (the batch script alive), past the disk
+    checkpoint: the restart inside the job resumes from each rank's own node's in-memory
+    snapshot, recomputing at most `checkpoint.memory_interval` steps, not the disk interval's,
+    with identical weights. DDP, and FSDP, whose ranks each hold their own shard."""
+    baseline = request.getfixturevalue("baseline" if strategy == "ddp" else "baseline_fsdp")
     memory_interval = 2
     run_dir, job = submit(
         tmp_path, "in-job-all", training={**TRAINING, "log_interval": 1},  # every step in rank 0's log
-        checkpoint={**CHECKPOINT, "memory_interval": memory_interval},
+        checkpoint={**CHECKPOINT, "memory_interval": memory_interval}, strategy=STRATEGIES[strategy],
     )
     wait_checkpoint(run_dir)  # step 10 on disk; the next at 20
     log = next((run_dir / "logs").glob("*_0_log.out"))

@@ -106,8 +106,9 @@ def test_every_step_of_every_attempt_reduces_in_one_layout(
 
 
 def test_the_old_per_parameter_default_still_loads() -> None:
-    """A run submitted before the per-parameter hook was removed names it in its runspec.json;
-    its requeued attempt must still load (as DDP's own all-reduce, which is exact too)."""
+    """A run submitted before the per-parameter hook was removed names it in its runspec.json:
+    its recipe still validates, as DDP's own all-reduce (exact too), so that a requeued attempt
+    of it can start."""
     from hpcrun.recipe import Recipe
 
     recipe = Recipe.model_validate({"name": "old", "strategy": {"name": "ddp", "comm_hook": "per_parameter"}})
