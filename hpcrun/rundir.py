@@ -351,6 +351,12 @@ def step_dirs(checkpoints: Path) -> dict[int, Path]:
     return found
 
 
+def newest_checkpoint(checkpoints: Path) -> int | None:
+    """The step of the newest checkpoint directory (they become visible only when complete, by
+    a rename); None when there is none. Read by name: the failure step after srun imports no torch."""
+    return max(step_dirs(checkpoints), default=None)
+
+
 def partial_step_dirs(checkpoints: Path) -> list[Path]:
     return sorted(checkpoints.glob(f"{PARTIAL_STEP}*"))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import Recipe
-from hpcrun.runtime.failure import restart_nodes
+from hpcrun.runtime.nodes import restart_nodes
 from hpcrun.site import load_site
 from tests.helpers import ROOT, cli, load_yaml, write_yaml
 

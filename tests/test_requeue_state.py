@@ -1,4 +1,4 @@
-"""state.json claims a requeue only once SLURM has made it (hpcrun.runtime.failure.requeue and
+"""state.json claims a requeue only once SLURM has made it (hpcrun.runtime.requeue.requeue and
 settle): a stop or a failure recorded as `requeueing` becomes `requeued` after `scontrol requeue`
 succeeded or SLURM's restart count shows its own requeue (preemption), else `stopped` (or the
 failure's reason) with why not. `scontrol` is a stub at the process boundary (its answers only)."""
@@ -13,7 +13,7 @@ import pytest
 
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir, write_json
-from hpcrun.runtime.failure import requeue
+from hpcrun.runtime.requeue import requeue
 
 SCONTROL = """#!/bin/bash
 echo "$*" >>"$FAKE_DIR/calls"

@@ -16,7 +16,7 @@ from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import failure, predecessors, timeouts
+from hpcrun.runtime import failure, nodes, predecessors, requeue, timeouts
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.function import CallRaised
@@ -52,7 +52,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     ctx.measured.restart_wait_s = waited
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
         try:
-            lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.requeues,
+            lost = nodes.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.requeues,
                                         env.allocation_id)
         except HpcrunError as exc:  # accounting unreachable from the node: train on, unrecorded
             lost = None
@@ -120,7 +120,7 @@ def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     (120 s by default) before it may start again: a floor on requeue latency set by the site."""
     # env.job_id is hpcrun.slurm.job_id: `<array>_<index>` for array tasks. Should SLURM's tool fail,
     # this rank fails, and the failure step after srun tries again
-    failure.requeue(run_dir, env.job_id, env.restart_count, env.requeues, last_try=False)
+    requeue.requeue(run_dir, env.job_id, env.restart_count, env.requeues, last_try=False)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool,
@@ -142,8 +142,8 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool,
         return {}
     row = result_row(ctx, status, reason, peak)
     job_id, restart = ctx.env.job_id, ctx.env.restart_count
-    # a requeue is `requeued` in state.json only once SLURM has made it (failure.settle)
-    recorded = failure.REQUEUEING if status == "requeued" else status
+    # a requeue is `requeued` in state.json only once SLURM has made it (hpcrun.runtime.requeue.settle)
+    recorded = requeue.REQUEUEING if status == "requeued" else status
     attempt = {"status": recorded, "reason": reason, "job_id": job_id, "restart_count": restart,
                "step": row["last_step"]}
     from hpcrun.results import write_attempt
