@@ -203,14 +203,14 @@ class RunDir:
     def controller_log(self) -> Path:
         return self.path / LOGS / CONTROLLER_LOG
 
-    def losses(self, job_id: str, restart: int) -> Path:
+    def losses(self, job_id: str, attempt: int) -> Path:
         """One attempt's global losses, one per line (what exact-resume tests compare)."""
-        return self.path / f"losses-{job_id}-{restart}.txt"
+        return self.path / f"losses-{job_id}-{attempt}.txt"
 
-    def reported(self, job_id: str, restart: int) -> Path:
+    def reported(self, job_id: str, attempt: int) -> Path:
         """The metrics a command job's own script reports for one attempt (JSON lines, written by
         the script: hpcrun.runtime.reported)."""
-        return self.path / "reported" / f"{job_id}-{restart}.jsonl"
+        return self.path / "reported" / f"{job_id}-{attempt}.jsonl"
 
     @property
     def lightning(self) -> Path:
@@ -221,23 +221,23 @@ class RunDir:
         `<SLURM_RESTART_COUNT> <restarts in the job> <epoch seconds> <nodes>`, oldest first."""
         return self.path / STARTS / allocation_id
 
-    def exit_record(self, job_id: str, restart: int, rank: int) -> Path:
+    def exit_record(self, job_id: str, attempt: int, rank: int) -> Path:
         """What a failing rank knew as it failed (error, step, node, its row so far): read once,
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""
-        return self.path / EXITS / f"{job_id}-{restart}-rank{rank}.json"
+        return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}.json"
 
-    def heartbeat(self, job_id: str, restart: int, rank: int) -> Path:
+    def heartbeat(self, job_id: str, attempt: int, rank: int) -> Path:
         """A rank's last completed step and when (hpcrun.runtime.watchdog): how the ranks whose
         watchdog fires name the rank that went silent."""
-        return self.path / HEARTBEATS / f"{job_id}-{restart}-rank{rank}.json"
+        return self.path / HEARTBEATS / f"{job_id}-{attempt}-rank{rank}.json"
 
     @property
     def flight_recorder(self) -> Path:
         """Where PyTorch's NCCL flight recorder dumps its per-rank traces on a timeout."""
         return self.path / FLIGHT_RECORDER
 
-    def exit_records(self, job_id: str, restart: int) -> list[Path]:
-        return sorted((self.path / EXITS).glob(f"{job_id}-{restart}-rank*.json"))
+    def exit_records(self, job_id: str, attempt: int) -> list[Path]:
+        return sorted((self.path / EXITS).glob(f"{job_id}-{attempt}-rank*.json"))
 
     def log(self, job_id: str, rank: int, stream: str, folder: str | Path | None = None) -> Path:
         """A rank's log of a job (an array's logs sit in its sweep's log folder)."""
@@ -375,9 +375,9 @@ def trainer_state(step: Path, rank: int) -> Path:
 
 
 # a results directory -----------------------------------------------------------------------
-def attempt_file(results_dir: Path, run_id: str, job_id: str, restart: int, attempt_id: str) -> Path:
+def attempt_file(results_dir: Path, run_id: str, job_id: str, attempt: int, attempt_id: str) -> Path:
     """One attempt's results row (hpcrun.results)."""
-    return results_dir / f"{run_id}__{job_id}__{restart}__{attempt_id[:12]}.parquet"
+    return results_dir / f"{run_id}__{job_id}__{attempt}__{attempt_id[:12]}.parquet"
 
 
 def compacted_file(results_dir: Path, token: str) -> Path:
@@ -389,9 +389,9 @@ def steps_dir(results_dir: str | Path) -> Path:
     return Path(results_dir) / RESULTS_STEPS
 
 
-def steps_batch(results_dir: str | Path, run_id: str, job_id: str, restart: int, seq: int) -> Path:
+def steps_batch(results_dir: str | Path, run_id: str, job_id: str, attempt: int, seq: int) -> Path:
     """One flush of one attempt's per-step rows (hpcrun.steps): names sort by sequence within an attempt."""
-    return steps_dir(results_dir) / run_id / f"{job_id}-{restart}-{seq:06d}.parquet"
+    return steps_dir(results_dir) / run_id / f"{job_id}-{attempt}-{seq:06d}.parquet"
 
 
 def unreadable_dir(results_dir: Path) -> Path:
@@ -419,19 +419,19 @@ def local_scratch(configured: str) -> Path:
     return Path(os.environ.get(SCRATCH_ENV) or configured)
 
 
-def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> Path:
+def snapshot_job_dir(scratch: str | Path, allocation_id: str, slurm_requeues: int) -> Path:
     """`<scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`: one job start's snapshots on one node,
     valid only within that start (the batch script removes it on every node at the job's end)."""
-    return Path(scratch) / f"hpcrun-{allocation_id}-{restart}"
+    return Path(scratch) / f"hpcrun-{allocation_id}-{slurm_requeues}"
 
 
 def snapshot_job_dirs(scratch: str | Path) -> dict[str, list[Path]]:
     """Every job start's snapshot directory in `scratch` owned by this user, by SLURM job id."""
     found: dict[str, list[Path]] = {}
     for path in Path(scratch).glob("hpcrun-*-*"):
-        job, _, restart = path.name[len("hpcrun-"):].rpartition("-")
+        job, _, requeues = path.name[len("hpcrun-"):].rpartition("-")
         with contextlib.suppress(OSError):
-            if job.isdigit() and restart.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid():
+            if job.isdigit() and requeues.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid():
                 found.setdefault(job, []).append(path)
     return found
 

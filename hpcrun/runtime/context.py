@@ -117,7 +117,7 @@ class Context:
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env
         watchdog = Watchdog(
-            self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
+            self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
         )
         disk, memory = self.schedules()
         warmup = self.recipe.training.warmup_steps

@@ -63,14 +63,14 @@ def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
     return row
 
 
-def name_silent(run_dir: RunDir, job_id: str, restart: int, failure: Failure, record: dict[str, tp.Any] | None,
+def name_silent(run_dir: RunDir, job_id: str, attempt: int, failure: Failure, record: dict[str, tp.Any] | None,
                 world_size: int) -> Failure:
     """A hang (`record`: the rank that saw it first) with the ranks whose process had stopped when
     it fired, read from their heartbeats here, once for the attempt (hpcrun.runtime.heartbeat),
     and told on stderr with how long each was silent."""
     if record is None or failure.what != HUNG:
         return failure
-    found = heartbeat.silent(run_dir, job_id, restart, world_size, float(record.get("time") or 0), skip=failure.rank)
+    found = heartbeat.silent(run_dir, job_id, attempt, world_size, float(record.get("time") or 0), skip=failure.rank)
     if not found:
         return failure
     print(f"[hpcrun] silent ranks: {'; '.join(found)}", file=sys.stderr)
@@ -78,7 +78,7 @@ def name_silent(run_dir: RunDir, job_id: str, restart: int, failure: Failure, re
 
 
 def write_exit_record(
-    run_dir: RunDir, job_id: str, restart: int, rank: int, error: str, step: int, row: dict[str, tp.Any],
+    run_dir: RunDir, job_id: str, attempt: int, rank: int, error: str, step: int, row: dict[str, tp.Any],
     final: bool = False,
 ) -> None:
     """A failing rank's word, for the one writer of the attempt's record. `final`: the error is
@@ -94,7 +94,7 @@ def write_exit_record(
         "row": row,
         "final": final,
     }
-    write_json(run_dir.exit_record(job_id, restart, rank), json.loads(json.dumps(record, default=str)))
+    write_json(run_dir.exit_record(job_id, attempt, rank), json.loads(json.dumps(record, default=str)))
 
 
 def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> str | None:
@@ -104,18 +104,18 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     from hpcrun.results import write_attempt
 
     spec = RunSpec.model_validate(read_json(run_dir.spec, None))
-    job_id, restart, requeues = job_ids()
-    records = [r for r in (read_json(p, None) for p in run_dir.exit_records(job_id, restart)) if isinstance(r, dict)]
+    job_id, attempt, slurm_requeues = job_ids()
+    records = [r for r in (read_json(p, None) for p in run_dir.exit_records(job_id, attempt)) if isinstance(r, dict)]
     failure = first_failure(srun_stderr, records)
     if failure is None:
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
     own = next((r for r in records if r.get("rank") == failure.rank), None)
-    failure = name_silent(run_dir, job_id, restart, failure, own, spec.world_size)
+    failure = name_silent(run_dir, job_id, attempt, failure, own, spec.world_size)
     final = bool(own.get("final")) if own else any(r.get("final") for r in records)
     signature = failure.signature(newest_checkpoint(run_dir.checkpoints))
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
-    row = {**plan_row(spec, job_id, restart, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
+    row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
     cap = spec.recipe.checkpoint.max_requeues
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
     next_file = os.environ.get("HPCRUN_NEXT_NODES")
@@ -135,11 +135,11 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
         # decided under state.json's lock, against what is there now
-        if (state.get("job_id"), state.get("restart_count")) == (job_id, restart):
+        if (state.get("job_id"), state.get("restart_count")) == (job_id, attempt):
             decided["requeue"] = state.get("status") in (REQUEUEING, "requeued")  # rank 0 said so, then was killed
             return None
         previous = (
-            state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, restart - 1) else None
+            state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, attempt - 1) else None
         )
         reason = failure.describe()
         long = run_long(state, job_id)
@@ -156,7 +156,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
             reason += f"; {RESTARTING} ({in_job + 1} of {spec.recipe.fault.restarts_in_job})"
             if set(nodes) - set(step_nodes):
                 reason += f" on {','.join(nodes)}"
-        elif requeues >= cap:
+        elif slurm_requeues >= cap:
             reason += f"; requeue cap reached ({cap} requeues)"
         else:
             decided["requeue"] = True
@@ -166,7 +166,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
         write_attempt(spec.results_dir, row)
         restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if "restart" in decided else 0)
-        return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart,
+        return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": attempt,
                 "step": row.get("last_step"), "failure": signature, jobstate.IN_JOB: restarts}
 
     run_dir.update_state(merge)
@@ -174,7 +174,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         with open(next_file, "w") as out:  # the batch script starts the step again on these nodes
             out.write(",".join(decided["restart"]) + "\n")
     elif decided.get("requeue"):
-        requeue(run_dir, job_id, restart, requeues)
+        requeue(run_dir, job_id, attempt, slurm_requeues)
     return decided.get("reason")
 
 

@@ -108,26 +108,26 @@ def record_slow(run_dir: RunDir, spec: RunSpec, found: dict[str, float], nodes: 
     run_dir.update_state(merge)
 
 
-def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, requeues: int,
+def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, attempt: int, slurm_requeues: int,
                  allocation_id: str) -> str | None:
     """At an attempt's start (rank 0): when the previous attempt ended without a word, because
     SLURM requeued the job after NODE_FAIL, record it (a results row, state.json's failed nodes)
-    and decide which nodes later attempts exclude. Returns the recorded reason. `restart` is
-    hpcrun's attempt number, `requeues` SLURM's count (sacct's record of each start)."""
-    if requeues == 0 or restart == 0:
+    and decide which nodes later attempts exclude. Returns the recorded reason. `attempt` is
+    hpcrun's attempt number, `slurm_requeues` SLURM's count (sacct's record of each start)."""
+    if slurm_requeues == 0 or attempt == 0:
         return None
 
     def said(state: dict[str, tp.Any]) -> bool:
-        return state.get("job_id") == job_id and int(state.get("restart_count", -1)) >= restart - 1
+        return state.get("job_id") == job_id and int(state.get("restart_count", -1)) >= attempt - 1
 
     if said(run_dir.state()):
         return None
     # the previous attempt's record by its place (one per start, oldest first), not as the
     # next-to-last: slurmdbd may not hold this attempt's own record yet
     starts = sacct_attempts(allocation_id)
-    if len(starts) < requeues or starts[requeues - 1][0] != jobstate.NODE_FAIL:
+    if len(starts) < slurm_requeues or starts[slurm_requeues - 1][0] != jobstate.NODE_FAIL:
         return None
-    previous = starts[requeues - 1][1]
+    previous = starts[slurm_requeues - 1][1]
     lost = lost_nodes(previous)
     room = partition_size(spec.partition) if spec.recipe.fault.exclude_failed_nodes else 0
     reason = f"node lost (NODE_FAIL): {','.join(lost)}; requeued by SLURM"
@@ -140,11 +140,11 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, restart: int, requ
             return None
         failed = sorted(set(state.get("failed_nodes") or []) | set(lost))
         excluded = exclusions(state, lost, room, spec.nodes)
-        row = {**plan_row(spec, job_id, restart - 1, previous), "status": "failed", "reason": reason,
+        row = {**plan_row(spec, job_id, attempt - 1, previous), "status": "failed", "reason": reason,
                "end_time": dt.datetime.now(dt.timezone.utc)}
         write_attempt(spec.results_dir, row)  # the row before the state (see attempt.finish)
         wrote = True
-        return {**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": restart - 1,
+        return {**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": attempt - 1,
                 "failed_nodes": failed, "excluded_nodes": excluded, "failure": None}
 
     from hpcrun.results import write_attempt

@@ -24,31 +24,33 @@ from hpcrun.rundir import RunDir
 REQUEUEING = "requeueing"
 
 
-def requeue(run_dir: RunDir | None, job: str, restart: int, requeues: int | None = None, last_try: bool = True) -> None:
-    """Requeue `job` after its attempt `restart`, unless SLURM is already doing so (preemption and
+def requeue(
+    run_dir: RunDir | None, job: str, attempt: int, slurm_requeues: int | None = None, last_try: bool = True
+) -> None:
+    """Requeue `job` after its `attempt`, unless SLURM is already doing so (preemption and
     NODE_FAIL requeue by themselves, and twice would count twice); then, while it is pending (the
     only time SLURM accepts it), exclude the nodes this run lost. SLURM holds a requeued job for
     the site's `AuthInfo=cred_expire` (120 s by default) before it may start again, so the
     exclusion lands before that. state.json then says what SLURM did (`settle`). A SLURM tool that
     fails is one line (HpcrunError); unless it was the `last_try`, the attempt stays REQUEUEING for
-    the failure step, which tries again. `restart` is hpcrun's attempt number, `requeues` SLURM's
-    count (the same unless the job restarted inside itself)."""
+    the failure step, which tries again. `attempt` is hpcrun's attempt number, `slurm_requeues`
+    SLURM's count (the same unless the job restarted inside itself)."""
     try:
-        why_not = _requeue(run_dir, job, restart if requeues is None else requeues)
+        why_not = _requeue(run_dir, job, attempt if slurm_requeues is None else slurm_requeues)
     except HpcrunError as exc:
         if last_try:
-            settle(run_dir, job, restart, f"not requeued: {exc.format_message()}")
+            settle(run_dir, job, attempt, f"not requeued: {exc.format_message()}")
         raise
-    settle(run_dir, job, restart, why_not)
+    settle(run_dir, job, attempt, why_not)
 
 
-def _requeue(run_dir: RunDir | None, job: str, requeues: int) -> str | None:
+def _requeue(run_dir: RunDir | None, job: str, slurm_requeues: int) -> str | None:
     """None once the job is requeued, else why it is not."""
     shown = slurm.run(slurm.show_job(job))
     if shown.returncode != 0:
         raise HpcrunError(f"scontrol show job {job} failed: {one_line(shown)}")
     fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
-    if int(fields.get("Restarts") or 0) > requeues:  # SLURM counts a requeue as it makes it
+    if int(fields.get("Restarts") or 0) > slurm_requeues:  # SLURM counts a requeue as it makes it
         return None
     if fields.get("JobState") != jobstate.RUNNING:  # cancelled, or ended by its batch shell
         return f"not requeued: the job is {fields.get('JobState') or 'gone'}"
@@ -73,7 +75,7 @@ def _requeue(run_dir: RunDir | None, job: str, requeues: int) -> str | None:
     return None
 
 
-def settle(run_dir: RunDir | None, job: str, restart: int, why_not: str | None) -> None:
+def settle(run_dir: RunDir | None, job: str, attempt: int, why_not: str | None) -> None:
     """state.json's attempt, recorded as going to be requeued (REQUEUEING, or a failure's reason
     ending in `; requeueing`), says what SLURM did: requeued, or stopped (resumable) and why not.
     So state.json never claims a requeue SLURM did not make."""
@@ -81,7 +83,7 @@ def settle(run_dir: RunDir | None, job: str, restart: int, why_not: str | None) 
         return
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
-        if (state.get("job_id"), state.get("restart_count")) != (job, restart):
+        if (state.get("job_id"), state.get("restart_count")) != (job, attempt):
             return None
         reason = state.get("reason") or ""
         if state.get("status") == REQUEUEING:
