@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import time
 import typing as tp
@@ -406,7 +407,7 @@ def sweep_dir(runs_dir: str | Path, sweep_id: str) -> Path:
 def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
     """A job's own directory on node-local NVMe (ZeRO-Infinity swap files), `<base>/hpcrun-<id>`
     with the scheduler's id of the allocation (SLURM_JOB_ID, unique per array task). The sbatch
-    template creates and removes it with the same spelling (`nvme_dir_pattern`)."""
+    and local templates create and remove it with the same spelling, their own."""
     return f"{nvme_base}/hpcrun-{allocation_id}"
 
 
@@ -419,20 +420,29 @@ def local_scratch(configured: str) -> Path:
     return Path(os.environ.get(SCRATCH_ENV) or configured)
 
 
+def snapshot_job_name(allocation_id: str, slurm_requeues: int | str) -> str:
+    """`hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`, the name of one job start's snapshot directory
+    on a node. The one spelling: the ranks name it with the values, the sbatch script (which removes
+    it on every node at the job's end) with the shell's variables in their place (hpcrun.render)."""
+    return f"hpcrun-{allocation_id}-{slurm_requeues}"
+
+
 def snapshot_job_dir(scratch: str | Path, allocation_id: str, slurm_requeues: int) -> Path:
     """`<scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`: one job start's snapshots on one node,
-    valid only within that start (the batch script removes it on every node at the job's end)."""
-    return Path(scratch) / f"hpcrun-{allocation_id}-{slurm_requeues}"
+    valid only within that start (SLURM's requeue count, not hpcrun's attempt: a restart inside the
+    job finds the same directory)."""
+    return Path(scratch) / snapshot_job_name(allocation_id, slurm_requeues)
 
 
 def snapshot_job_dirs(scratch: str | Path) -> dict[str, list[Path]]:
     """Every job start's snapshot directory in `scratch` owned by this user, by SLURM job id."""
     found: dict[str, list[Path]] = {}
-    for path in Path(scratch).glob("hpcrun-*-*"):
-        job, _, requeues = path.name[len("hpcrun-"):].rpartition("-")
+    named = re.compile(snapshot_job_name(r"(\d+)", r"\d+"))
+    for path in Path(scratch).glob(snapshot_job_name("*", "*")):
+        match = named.fullmatch(path.name)
         with contextlib.suppress(OSError):
-            if job.isdigit() and requeues.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid():
-                found.setdefault(job, []).append(path)
+            if match and path.is_dir() and path.stat().st_uid == os.getuid():
+                found.setdefault(match[1], []).append(path)
     return found
 
 
