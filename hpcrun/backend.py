@@ -170,9 +170,9 @@ def submit(spec: RunSpec, dependency: str | None = None) -> str:
         earlier = run_dir.jobs()
         try:
             if spec.site.scheduler == "local":
-                # locally each submission of the run is one restart (SLURM counts its own)
+                # locally each submission of the run counts as one requeue (SLURM counts its own)
                 job_id = localjob.start(
-                    run_dir, spec.tasks_per_node, spec.time_min, spec.signal_lead_s, restart_count=len(earlier)
+                    run_dir, spec.tasks_per_node, spec.time_min, spec.signal_lead_s, slurm_requeues=len(earlier)
                 )
             else:
                 run_dir.record_intent(spec.run_id, run_dir.script)

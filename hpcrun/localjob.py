@@ -34,14 +34,14 @@ KILL_WAIT_S = 20.0
 POLL_S = 0.2
 
 
-def start(run_dir: RunDir, ranks: int, time_min: int, signal_lead_s: int, restart_count: int) -> str:
+def start(run_dir: RunDir, ranks: int, time_min: int, signal_lead_s: int, slurm_requeues: int) -> str:
     """Start the controller detached (its own session, its own log) and return its job id. The
     caller's stdout/stderr are not inherited: a pipe (`| tee`, a test) closes when hpcrun exits."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "hpcrun.localjob", str(run_dir.path),
         "--ranks", str(ranks), "--time-s", str(time_min * 60), "--signal-lead-s", str(signal_lead_s),
-        "--restart-count", str(restart_count),
+        "--restart-count", str(slurm_requeues),
     ]
     with run_dir.controller_log.open("ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
@@ -49,9 +49,10 @@ def start(run_dir: RunDir, ranks: int, time_min: int, signal_lead_s: int, restar
 
 
 class Controller:
-    def __init__(self, run_dir: RunDir, ranks: int, time_s: float, signal_lead_s: float, restart_count: int) -> None:
+    def __init__(self, run_dir: RunDir, ranks: int, time_s: float, signal_lead_s: float, slurm_requeues: int) -> None:
         self.run_dir, self.ranks = run_dir, ranks
-        self.time_s, self.lead_s, self.restart_count = time_s, signal_lead_s, restart_count
+        # the run's earlier submissions: what SLURM_RESTART_COUNT is under SLURM (hpcrun.slurm.requeue_count)
+        self.time_s, self.lead_s, self.slurm_requeues = time_s, signal_lead_s, slurm_requeues
         self.job_id = str(os.getpid())
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pending: list[int] = []  # signals received, forwarded from the loop (not from the handler)
@@ -76,7 +77,7 @@ class Controller:
                 "WORLD_SIZE": str(self.ranks),
                 "LOCAL_WORLD_SIZE": str(self.ranks),
                 "HPCRUN_LOCAL_JOB_ID": self.job_id,
-                "HPCRUN_RESTART_COUNT": str(self.restart_count),
+                "HPCRUN_RESTART_COUNT": str(self.slurm_requeues),
             }
             with (
                 self.run_dir.log(self.job_id, rank, "out").open("ab") as out,
@@ -131,7 +132,7 @@ class Controller:
         (hpcrun.runtime.snapshot), which ranks that were killed could not."""
         spec = read_json(self.run_dir.spec, missing={})
         scratch = local_scratch(spec.get("local_scratch") or "/dev/shm")
-        shutil.rmtree(snapshot_job_dir(scratch, self.job_id, self.restart_count), ignore_errors=True)
+        shutil.rmtree(snapshot_job_dir(scratch, self.job_id, self.slurm_requeues), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--time-s", type=float, required=True)
     parser.add_argument("--signal-lead-s", type=float, required=True)
-    parser.add_argument("--restart-count", type=int, default=0)
+    parser.add_argument("--restart-count", dest="slurm_requeues", type=int, default=0)
     args = parser.parse_args(argv)
-    controller = Controller(RunDir(args.run_dir), args.ranks, args.time_s, args.signal_lead_s, args.restart_count)
+    controller = Controller(RunDir(args.run_dir), args.ranks, args.time_s, args.signal_lead_s, args.slurm_requeues)
     return controller.run()
 
 

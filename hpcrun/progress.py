@@ -89,7 +89,7 @@ def write(
     tokens_per_s: float | None,
     step_time_s: float | None,
     job_id: str,
-    restart_count: int,
+    attempt: int,
     checkpoint_step: int | None,
     saves: tp.Sequence[str] = (),
 ) -> None:
@@ -98,7 +98,7 @@ def write(
     write_json(path, {
         "step": step, "total": total, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
         "eta_s": (total - step) * step_time_s if total and step_time_s is not None else None, "updated": time.time(),
-        "job_id": job_id, "restart_count": restart_count, "checkpoint_step": checkpoint_step, "saves": list(saves),
+        "job_id": job_id, "restart_count": attempt, "checkpoint_step": checkpoint_step, "saves": list(saves),
     })
 
 

@@ -114,6 +114,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         job_pattern="%A_%a" if array else "%j",
         nvme_dir=spec.nvme_dir,
         snapshot_dir=spec.local_scratch if spec.takes_snapshots else None,  # every strategy: one array shape
+        snapshot_name=rundir.snapshot_job_name("$SLURM_JOB_ID", "${SLURM_RESTART_COUNT:-0}"),
         hostname=site.network.hostname,
         comment=slurm.comment(tag),
         starts_dir=rundir.STARTS,

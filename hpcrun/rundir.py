@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import time
 import typing as tp
@@ -203,14 +204,14 @@ class RunDir:
     def controller_log(self) -> Path:
         return self.path / LOGS / CONTROLLER_LOG
 
-    def losses(self, job_id: str, restart: int) -> Path:
+    def losses(self, job_id: str, attempt: int) -> Path:
         """One attempt's global losses, one per line (what exact-resume tests compare)."""
-        return self.path / f"losses-{job_id}-{restart}.txt"
+        return self.path / f"losses-{job_id}-{attempt}.txt"
 
-    def reported(self, job_id: str, restart: int) -> Path:
+    def reported(self, job_id: str, attempt: int) -> Path:
         """The metrics a command job's own script reports for one attempt (JSON lines, written by
         the script: hpcrun.runtime.reported)."""
-        return self.path / "reported" / f"{job_id}-{restart}.jsonl"
+        return self.path / "reported" / f"{job_id}-{attempt}.jsonl"
 
     @property
     def lightning(self) -> Path:
@@ -221,23 +222,23 @@ class RunDir:
         `<SLURM_RESTART_COUNT> <restarts in the job> <epoch seconds> <nodes>`, oldest first."""
         return self.path / STARTS / allocation_id
 
-    def exit_record(self, job_id: str, restart: int, rank: int) -> Path:
+    def exit_record(self, job_id: str, attempt: int, rank: int) -> Path:
         """What a failing rank knew as it failed (error, step, node, its row so far): read once,
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""
-        return self.path / EXITS / f"{job_id}-{restart}-rank{rank}.json"
+        return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}.json"
 
-    def heartbeat(self, job_id: str, restart: int, rank: int) -> Path:
+    def heartbeat(self, job_id: str, attempt: int, rank: int) -> Path:
         """A rank's last completed step and when (hpcrun.runtime.watchdog): how the ranks whose
         watchdog fires name the rank that went silent."""
-        return self.path / HEARTBEATS / f"{job_id}-{restart}-rank{rank}.json"
+        return self.path / HEARTBEATS / f"{job_id}-{attempt}-rank{rank}.json"
 
     @property
     def flight_recorder(self) -> Path:
         """Where PyTorch's NCCL flight recorder dumps its per-rank traces on a timeout."""
         return self.path / FLIGHT_RECORDER
 
-    def exit_records(self, job_id: str, restart: int) -> list[Path]:
-        return sorted((self.path / EXITS).glob(f"{job_id}-{restart}-rank*.json"))
+    def exit_records(self, job_id: str, attempt: int) -> list[Path]:
+        return sorted((self.path / EXITS).glob(f"{job_id}-{attempt}-rank*.json"))
 
     def log(self, job_id: str, rank: int, stream: str, folder: str | Path | None = None) -> Path:
         """A rank's log of a job (an array's logs sit in its sweep's log folder)."""
@@ -351,6 +352,12 @@ def step_dirs(checkpoints: Path) -> dict[int, Path]:
     return found
 
 
+def newest_checkpoint(checkpoints: Path) -> int | None:
+    """The step of the newest checkpoint directory (they become visible only when complete, by
+    a rename); None when there is none. Read by name: the failure step after srun imports no torch."""
+    return max(step_dirs(checkpoints), default=None)
+
+
 def partial_step_dirs(checkpoints: Path) -> list[Path]:
     return sorted(checkpoints.glob(f"{PARTIAL_STEP}*"))
 
@@ -369,9 +376,9 @@ def trainer_state(step: Path, rank: int) -> Path:
 
 
 # a results directory -----------------------------------------------------------------------
-def attempt_file(results_dir: Path, run_id: str, job_id: str, restart: int, attempt_id: str) -> Path:
+def attempt_file(results_dir: Path, run_id: str, job_id: str, attempt: int, attempt_id: str) -> Path:
     """One attempt's results row (hpcrun.results)."""
-    return results_dir / f"{run_id}__{job_id}__{restart}__{attempt_id[:12]}.parquet"
+    return results_dir / f"{run_id}__{job_id}__{attempt}__{attempt_id[:12]}.parquet"
 
 
 def compacted_file(results_dir: Path, token: str) -> Path:
@@ -383,9 +390,9 @@ def steps_dir(results_dir: str | Path) -> Path:
     return Path(results_dir) / RESULTS_STEPS
 
 
-def steps_batch(results_dir: str | Path, run_id: str, job_id: str, restart: int, seq: int) -> Path:
+def steps_batch(results_dir: str | Path, run_id: str, job_id: str, attempt: int, seq: int) -> Path:
     """One flush of one attempt's per-step rows (hpcrun.steps): names sort by sequence within an attempt."""
-    return steps_dir(results_dir) / run_id / f"{job_id}-{restart}-{seq:06d}.parquet"
+    return steps_dir(results_dir) / run_id / f"{job_id}-{attempt}-{seq:06d}.parquet"
 
 
 def unreadable_dir(results_dir: Path) -> Path:
@@ -400,7 +407,7 @@ def sweep_dir(runs_dir: str | Path, sweep_id: str) -> Path:
 def nvme_job_dir(nvme_base: str, allocation_id: str) -> str:
     """A job's own directory on node-local NVMe (ZeRO-Infinity swap files), `<base>/hpcrun-<id>`
     with the scheduler's id of the allocation (SLURM_JOB_ID, unique per array task). The sbatch
-    template creates and removes it with the same spelling (`nvme_dir_pattern`)."""
+    and local templates create and remove it with the same spelling, their own."""
     return f"{nvme_base}/hpcrun-{allocation_id}"
 
 
@@ -413,20 +420,29 @@ def local_scratch(configured: str) -> Path:
     return Path(os.environ.get(SCRATCH_ENV) or configured)
 
 
-def snapshot_job_dir(scratch: str | Path, allocation_id: str, restart: int) -> Path:
+def snapshot_job_name(allocation_id: str, slurm_requeues: int | str) -> str:
+    """`hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`, the name of one job start's snapshot directory
+    on a node. The one spelling: the ranks name it with the values, the sbatch script (which removes
+    it on every node at the job's end) with the shell's variables in their place (hpcrun.render)."""
+    return f"hpcrun-{allocation_id}-{slurm_requeues}"
+
+
+def snapshot_job_dir(scratch: str | Path, allocation_id: str, slurm_requeues: int) -> Path:
     """`<scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>`: one job start's snapshots on one node,
-    valid only within that start (the batch script removes it on every node at the job's end)."""
-    return Path(scratch) / f"hpcrun-{allocation_id}-{restart}"
+    valid only within that start (SLURM's requeue count, not hpcrun's attempt: a restart inside the
+    job finds the same directory)."""
+    return Path(scratch) / snapshot_job_name(allocation_id, slurm_requeues)
 
 
 def snapshot_job_dirs(scratch: str | Path) -> dict[str, list[Path]]:
     """Every job start's snapshot directory in `scratch` owned by this user, by SLURM job id."""
     found: dict[str, list[Path]] = {}
-    for path in Path(scratch).glob("hpcrun-*-*"):
-        job, _, restart = path.name[len("hpcrun-"):].rpartition("-")
+    named = re.compile(snapshot_job_name(r"(\d+)", r"\d+"))
+    for path in Path(scratch).glob(snapshot_job_name("*", "*")):
+        match = named.fullmatch(path.name)
         with contextlib.suppress(OSError):
-            if job.isdigit() and restart.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid():
-                found.setdefault(job, []).append(path)
+            if match and path.is_dir() and path.stat().st_uid == os.getuid():
+                found.setdefault(match[1], []).append(path)
     return found
 
 

@@ -112,7 +112,7 @@ class Storage(Frozen):
     nvme: NVMe | None = None
     local_scratch: PathStr | None = None
     """A node-local directory (tmpfs: host memory) for in-memory snapshots
-    (`checkpoint.memory_interval`); each job start uses `<local_scratch>/hpcrun-<job>-<restart>/`.
+    (`checkpoint.memory_interval`); each job start uses `<local_scratch>/hpcrun-<job>-<SLURM requeue count>/`.
     None: `/dev/shm`."""
 
     @pydantic.field_validator("local_scratch")

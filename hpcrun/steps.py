@@ -1,6 +1,6 @@
 """Per-step metrics: a second Parquet dataset beside the results rows, one curve per run.
 
-Rank 0 writes a batch of steps per file (`<results_dir>/steps/<run id>/<job id>-<restart>-<seq>.parquet`,
+Rank 0 writes a batch of steps per file (`<results_dir>/steps/<run id>/<job id>-<attempt>-<seq>.parquet`,
 made visible by an atomic rename), so nothing half-written is ever read and no writer locks.
 A requeued run leaves files from several attempts; `load_steps` stitches them into one curve:
 an attempt that resumed from step s replaces every row of earlier attempts from step s+1 on.

@@ -35,6 +35,6 @@ def train(ctx: tp.Any) -> None:
     """The built-in benchmark (same model, data and optimizer), with the pause inside each step:
     a signal usually lands mid-step, as on a real cluster."""
     delay = float(ctx.args["step_delay_s"])
-    if ctx.env.restart_count == 0:
+    if ctx.env.attempt == 0:
         delay = float(ctx.args.get("first_attempt_delay_s", delay))
     builtin_benchmark(ctx, SIZES[ctx.args.get("model", "tiny")], after_step=lambda step: time.sleep(delay))

@@ -15,6 +15,7 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpcrun.rundir import snapshot_job_name
 from tests import pool
 
 NODES = pool.nodes()
@@ -38,9 +39,9 @@ def node_scratch(node: str, scratch: Path) -> Path | None:
 
 
 def snapshot_dirs(node: str, allocation_id: str, scratch: Path) -> list[str]:
-    """The job's in-memory snapshot directories (`hpcrun-<job>-<requeues>`) on `node`."""
+    """The job's in-memory snapshot directories (hpcrun.rundir.snapshot_job_name) on `node`."""
     where = node_scratch(node, scratch)
-    return [] if where is None else sorted(p.name for p in where.glob(f"hpcrun-{allocation_id}-*"))
+    return [] if where is None else sorted(p.name for p in where.glob(snapshot_job_name(allocation_id, "*")))
 
 
 def environ(pid: int) -> dict[str, str]:

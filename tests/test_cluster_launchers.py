@@ -64,18 +64,18 @@ TORCHRUN_JOB = {
 def reported(run_dir: Path, job: str) -> list[list[int]]:
     """The steps each attempt's script reported to hpcrun (hpcrun.runtime.reported), by attempt."""
     attempts = []
-    for restart in range(10):
-        path = run_dir / "reported" / f"{job}-{restart}.jsonl"
+    for attempt in range(10):
+        path = run_dir / "reported" / f"{job}-{attempt}.jsonl"
         if not path.exists():
             break
         attempts.append([json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()])
     return attempts
 
 
-def wait_reported(run_dir: Path, job: str, restart: int, steps: int) -> None:
-    """Until attempt `restart` has reported `steps` steps of its own: it started and trains."""
-    wait_for(lambda: len(reported(run_dir, job)) > restart and len(reported(run_dir, job)[restart]) >= steps,
-             what=f"attempt {restart} of {job} to train {steps} steps", timeout=300)
+def wait_reported(run_dir: Path, job: str, attempt: int, steps: int) -> None:
+    """Until `attempt` has reported `steps` steps of its own: it started and trains."""
+    wait_for(lambda: len(reported(run_dir, job)) > attempt and len(reported(run_dir, job)[attempt]) >= steps,
+             what=f"attempt {attempt} of {job} to train {steps} steps", timeout=300)
 
 
 def task_logs(run_dir: Path) -> str:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrun.rundir import RunDir
-from hpcrun.runtime.failure import newest_checkpoint
+from hpcrun.rundir import RunDir, newest_checkpoint
 from tests import faults
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
@@ -50,7 +49,7 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baseline: Path) -> N
             what="the lost node's record",
         )
         faults.power_on(node)
-        newest = newest_checkpoint(RunDir(run_dir)) or 0
+        newest = newest_checkpoint(RunDir(run_dir).checkpoints) or 0
         wait_for(lambda: checkpoint_after(run_dir, newest), what="a checkpoint of the resumed attempt")
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         deadline = time.time() + 60

@@ -65,7 +65,7 @@ def test_mem_dependency_and_the_folders_links_on_a_slurm_site(tmp_path: Path, sl
     assert refused.value.field == "mem_gb" and "must be <= 3.9, the memory per node" in refused.value.message
 
 
-def _stop(spec_dir: Path, requeues: int, started: float, signalled: float) -> tuple[str, str | None]:
+def _stop(spec_dir: Path, slurm_requeues: int, started: float, signalled: float) -> tuple[str, str | None]:
     """One attempt of the run stopped by a signal at `signalled` in a start of the job at `started`
     (as the batch script records it), decided and recorded as the attempt does."""
     run = RunDir(spec_dir)
@@ -73,9 +73,9 @@ def _stop(spec_dir: Path, requeues: int, started: float, signalled: float) -> tu
     starts = run.starts("4242")
     starts.parent.mkdir(exist_ok=True)
     with starts.open("a") as out:  # SLURM_RESTART_COUNT is empty before the first requeue
-        out.write(f"{requeues or ''} 0 {started:.0f} node1\n")
-    env = dataclasses.replace(from_environ(job_id="4242", allocation_id="4242"), restart_count=requeues,
-                              requeues=requeues)
+        out.write(f"{slurm_requeues or ''} 0 {started:.0f} node1\n")
+    env = dataclasses.replace(from_environ(job_id="4242", allocation_id="4242"), attempt=slurm_requeues,
+                              slurm_requeues=slurm_requeues)
     flag = SignalFlag()
     flag.signum, flag.at = 12, signalled
     ctx = Context(spec, env, flag)

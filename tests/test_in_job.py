@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import Recipe
-from hpcrun.runtime.failure import restart_nodes
+from hpcrun.runtime.nodes import restart_nodes
 from hpcrun.site import load_site
 from tests.helpers import ROOT, cli, load_yaml, write_yaml
 
@@ -60,3 +62,43 @@ def test_snapshots_where_a_restart_can_read_them() -> None:
 
     assert takes("testcluster") and not takes("testcluster", memory_interval=0)
     assert not takes("local") and takes("local", memory_interval=25)  # nothing reads them locally unless asked
+
+
+def test_deepspeed_builds_no_snapshots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's engine keeps no in-memory snapshots: its ranks build no Snapshots, so neither
+    their gloo group (a collective on every rank) nor their sweep of the node's scratch. Built
+    for an engine that keeps them. DeepSpeed's own build is left out: its engine class is enough."""
+    import torch
+
+    from hpcrun.plan import plan
+    from hpcrun.runtime import snapshot
+    from hpcrun.runtime.context import Context
+    from hpcrun.runtime.engine import DeepSpeedEngine
+    from hpcrun.runtime.env import DistEnv
+    from hpcrun.signals import SignalFlag
+
+    built: list[object] = []
+
+    class Recorded:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.append(args)
+
+        def restore(self, engine: object, newer_than: int) -> None:
+            return None
+
+    class Keeps:
+        def snapshot_state(self, keep: bool = True) -> None: ...
+
+    monkeypatch.setattr(snapshot, "Snapshots", Recorded)
+    env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "7", "localhost", "7")
+    deepspeed = DeepSpeedEngine.__new__(DeepSpeedEngine)  # the class, unbuilt: whether it has snapshot_state
+    for strategy, engine, expected in (("deepspeed", deepspeed, 0), ("ddp", Keeps(), 1)):
+        asked = {"name": "r", "strategy": {"name": strategy}, "checkpoint": {"memory_interval": 2}}
+        spec = plan(load_site("local"), Recipe.model_validate(asked), "r.yaml", "run")
+        spec = spec.model_copy(update={"run_dir": str(tmp_path / strategy)})
+        assert spec.takes_snapshots, strategy
+        monkeypatch.setattr(type(spec.strategy), "build", lambda *args, made=engine: made)
+        built.clear()
+        ctx = Context(spec, env, SignalFlag())
+        ctx.setup(torch.nn.Linear(1, 1), lambda parameters: torch.optim.SGD(parameters))
+        assert len(built) == expected and (ctx.snapshots is None) == (expected == 0), (strategy, built)

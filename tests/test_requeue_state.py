@@ -1,4 +1,4 @@
-"""state.json claims a requeue only once SLURM has made it (hpcrun.runtime.failure.requeue and
+"""state.json claims a requeue only once SLURM has made it (hpcrun.runtime.requeue.requeue and
 settle): a stop or a failure recorded as `requeueing` becomes `requeued` after `scontrol requeue`
 succeeded or SLURM's restart count shows its own requeue (preemption), else `stopped` (or the
 failure's reason) with why not. `scontrol` is a stub at the process boundary (its answers only)."""
@@ -13,7 +13,7 @@ import pytest
 
 from hpcrun.errors import HpcrunError
 from hpcrun.rundir import RunDir, write_json
-from hpcrun.runtime.failure import requeue
+from hpcrun.runtime.requeue import requeue
 
 SCONTROL = """#!/bin/bash
 echo "$*" >>"$FAKE_DIR/calls"
@@ -37,8 +37,8 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunDir:
     return RunDir(tmp_path / "run")
 
 
-def attempt(run_dir: RunDir, status: str, reason: str, restart: int = 0) -> None:
-    write_json(run_dir.state_file, {"status": status, "reason": reason, "job_id": "55", "restart_count": restart,
+def attempt(run_dir: RunDir, status: str, reason: str, number: int = 0) -> None:
+    write_json(run_dir.state_file, {"status": status, "reason": reason, "job_id": "55", "restart_count": number,
                                     "excluded_nodes": []})
 
 
@@ -63,7 +63,7 @@ def test_a_requeue_slurm_made_is_recorded(run_dir: RunDir, monkeypatch: pytest.M
 
 def test_slurm_s_own_requeue_is_not_made_twice(run_dir: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
     """Preempted: SLURM already counts the requeue (Restarts past this attempt's), job COMPLETING."""
-    attempt(run_dir, "requeueing", "SIGTERM at step 12", restart=1)
+    attempt(run_dir, "requeueing", "SIGTERM at step 12", number=1)
     scontrol(monkeypatch, "COMPLETING", 2)
     requeue(run_dir, "55", 1)
     assert calls(run_dir) == ["show job 55"]
@@ -94,7 +94,7 @@ def test_a_refused_requeue_is_recorded_and_raised(run_dir: RunDir, monkeypatch: 
 
 
 def test_another_attempt_s_state_is_left_alone(run_dir: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
-    attempt(run_dir, "completed", "", restart=1)
+    attempt(run_dir, "completed", "", number=1)
     scontrol(monkeypatch, "COMPLETING", 0)
     requeue(run_dir, "55", 0)
     assert json.loads(run_dir.state_file.read_text())["status"] == "completed"

@@ -1,7 +1,7 @@
 """In-memory snapshots (hpcrun.runtime.snapshot) off the cluster: four real rank processes on this
 machine as two pretend nodes of two ranks, each node with a scratch directory of its own
 (`HPCRUN_LOCAL_SCRATCH`), started the way srun starts an in-job restart (same job id, same
-restart count). The training is SIGKILLed whole after a snapshot, a node's scratch is deleted (a
+SLURM requeue count). The training is SIGKILLed whole after a snapshot, a node's scratch is deleted (a
 lost node) or a snapshot torn, the ranks are started again, and the run must end with the weights
 (sha256) and losses of a run never interrupted, having resumed from the source the case calls for.
 """

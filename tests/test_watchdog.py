@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpcrun.rundir import RunDir
-from hpcrun.runtime import failure, heartbeat
+from hpcrun.runtime import cause, failure, heartbeat
 from hpcrun.runtime.watchdog import EXIT_HUNG, FLOOR_S, derived_timeout
 from tests.helpers import ROOT
 
@@ -92,12 +92,12 @@ def test_the_failure_writer_names_the_silent_ranks(tmp_path: Path, capsys: pytes
         run_dir.heartbeat("7", 0, rank).parent.mkdir(exist_ok=True)
         run_dir.heartbeat("7", 0, rank).write_text(json.dumps(beat))
     run_dir.heartbeat("7", 0, 3).write_text("[]")
-    seen = failure.Failure(0, "node0", failure.HUNG, 10)
+    seen = cause.Failure(0, "node0", failure.HUNG, 10)
     named = failure.name_silent(run_dir, "7", 0, seen, {"rank": 0, "time": at}, world_size=5)
     assert named.what == f"{failure.HUNG}; silent: rank 2 on node2, rank 3, rank 4", named
     told = capsys.readouterr().err
     assert "rank 2 on node2 (not running for 20 s; last step 10)" in told and "7-0-rank3.json" in told, told
-    other = failure.Failure(0, "node0", "RuntimeError: boom", 10)
+    other = cause.Failure(0, "node0", "RuntimeError: boom", 10)
     assert failure.name_silent(run_dir, "7", 0, other, {"rank": 0, "time": at}, world_size=5) == other
 
 

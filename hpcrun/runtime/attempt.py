@@ -16,7 +16,7 @@ from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import failure, predecessors, timeouts
+from hpcrun.runtime import failure, nodes, predecessors, requeue, timeouts
 from hpcrun.runtime.context import Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.function import CallRaised
@@ -35,14 +35,14 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     # every rank's own log says whose it is: a failure is read in one rank's file
     print(
         f"[hpcrun] rank {env.rank}/{env.world_size} (local {env.local_rank}) "
-        f"on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, attempt {env.restart_count}"
-        f" (requeues {env.requeues})",
+        f"on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}, job {env.job_id}, attempt {env.attempt}"
+        f" (requeues {env.slurm_requeues})",
         flush=True,
     )
     # a restart inside the job: the previous attempt's ranks on this node may still be exiting
     waited = 0.0
-    if spec.scheduler == "slurm" and env.restart_count > 0 and "SLURM_JOB_ID" in os.environ:
-        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], env.restart_count)
+    if spec.scheduler == "slurm" and env.attempt > 0 and "SLURM_JOB_ID" in os.environ:
+        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], env.attempt)
     # a command job's own script owns MASTER_PORT; a function creates its own process group, as under submitit
     if spec.recipe.job.kind not in ("command", "function"):
         if env.backend == "nccl":
@@ -52,7 +52,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     ctx.measured.restart_wait_s = waited
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
         try:
-            lost = failure.lost_attempt(ctx.run_dir, spec, env.job_id, env.restart_count, env.requeues,
+            lost = nodes.lost_attempt(ctx.run_dir, spec, env.job_id, env.attempt, env.slurm_requeues,
                                         env.allocation_id)
         except HpcrunError as exc:  # accounting unreachable from the node: train on, unrecorded
             lost = None
@@ -70,7 +70,7 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         raised = isinstance(exc, CallRaised)
         status, reason = "failed", str(exc) if raised else f"{type(exc).__name__}: {exc}"
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
-            failure.write_exit_record(ctx.run_dir, env.job_id, env.restart_count, env.rank, reason, ctx.step,
+            failure.write_exit_record(ctx.run_dir, env.job_id, env.attempt, env.rank, reason, ctx.step,
                                       result_row(ctx, status, reason, peak_memory_bytes(ctx.device)), final=raised)
         else:  # locally the first failing rank records the attempt (finish keeps the first)
             finish(ctx, status, reason, collective=False)
@@ -104,12 +104,12 @@ def stop_decision(ctx: Context) -> tuple[str, str | None, int | None]:
     where = f"{ctx.stopped} at step {ctx.step + 1}"
     if ctx.spec.scheduler != "slurm":
         return "stopped", f"{where}; continue with hpcrun resume", None
-    if ctx.env.requeues >= caps.max_requeues:
+    if ctx.env.slurm_requeues >= caps.max_requeues:
         return "failed", f"requeue cap reached ({caps.max_requeues} requeues); {where}", None
     if caps.max_timeouts is None:
         return "requeued", where, None
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
-    started = timeouts.allocation_start(ctx.run_dir, ctx.env.allocation_id, ctx.env.restart_count, in_job)
+    started = timeouts.allocation_start(ctx.run_dir, ctx.env.allocation_id, ctx.env.attempt, in_job)
     if started is None:
         ctx.info("no record of when this job started: its stop is not counted as a timeout")
         return "requeued", where, None
@@ -127,7 +127,7 @@ def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:
     (120 s by default) before it may start again: a floor on requeue latency set by the site."""
     # env.job_id is hpcrun.slurm.job_id: `<array>_<index>` for array tasks. Should SLURM's tool fail,
     # this rank fails, and the failure step after srun tries again
-    failure.requeue(run_dir, env.job_id, env.restart_count, env.requeues, last_try=False)
+    requeue.requeue(run_dir, env.job_id, env.attempt, env.slurm_requeues, last_try=False)
 
 
 def finish(ctx: Context, status: str, reason: str | None, collective: bool,
@@ -148,11 +148,10 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool,
     if not (ctx.env.is_main or not collective):
         return {}
     row = result_row(ctx, status, reason, peak)
-    job_id, restart = ctx.env.job_id, ctx.env.restart_count
-    # a requeue is `requeued` in state.json only once SLURM has made it (failure.settle)
-    recorded = failure.REQUEUEING if status == "requeued" else status
-    attempt = {"status": recorded, "reason": reason, "job_id": job_id, "restart_count": restart,
-               "step": row["last_step"]}
+    job_id, attempt = ctx.env.job_id, ctx.env.attempt
+    # a requeue is `requeued` in state.json only once SLURM has made it (hpcrun.runtime.requeue.settle)
+    recorded = requeue.REQUEUEING if status == "requeued" else status
+    said = {"status": recorded, "reason": reason, "job_id": job_id, "restart_count": attempt, "step": row["last_step"]}
     from hpcrun.results import write_attempt
 
     wrote = False
@@ -160,7 +159,7 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool,
     def merge(current: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
         # one failed rank fails the attempt, whatever the ranks that finished write after it
         nonlocal wrote
-        if (current.get("job_id"), current.get("restart_count")) == (job_id, restart) and current.get(
+        if (current.get("job_id"), current.get("restart_count")) == (job_id, attempt) and current.get(
             "status"
         ) == "failed":
             return None
@@ -168,10 +167,10 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool,
         # dependency, a test) finds the attempt's results already there
         write_attempt(ctx.spec.results_dir, row)
         if m.losses:
-            atomic_write(ctx.run_dir.losses(job_id, restart), "\n".join(repr(x) for x in m.losses))
+            atomic_write(ctx.run_dir.losses(job_id, attempt), "\n".join(repr(x) for x in m.losses))
         wrote = True
         counted = {jobstate.TIMEOUTS: job_timeouts} if job_timeouts is not None else {}
-        return {**attempt, **failure.run_long(current, job_id), **counted}  # failed and excluded nodes stay the run's
+        return {**said, **failure.run_long(current, job_id), **counted}  # failed and excluded nodes stay the run's
 
     ctx.run_dir.update_state(merge)
     return row if wrote else {}

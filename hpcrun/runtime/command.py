@@ -66,7 +66,7 @@ def run_command(ctx: Context) -> None:
     job = ctx.recipe.job
     assert isinstance(job, CommandJob)
     run_dir = ctx.run_dir
-    reported_path = run_dir.reported(ctx.env.job_id, ctx.env.restart_count)
+    reported_path = run_dir.reported(ctx.env.job_id, ctx.env.attempt)
     env = {
         **os.environ, "HPCRUN_RUN_DIR": str(run_dir.path), "HPCRUN_RUN_ID": ctx.spec.run_id,
         "HPCRUN_CHECKPOINT_DIR": str(ctx.checkpoints.root), "HPCRUN_METRICS": str(reported_path),
@@ -119,7 +119,7 @@ def torchrun_argv(ctx: Context) -> list[str]:
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.ranks_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={master}:{port}",
-        f"--rdzv-id={env.allocation_id}-{env.restart_count}",  # a requeued attempt is a new rendezvous
+        f"--rdzv-id={env.allocation_id}-{env.attempt}",  # a requeued attempt is a new rendezvous
         f"--rdzv-conf=is_host={int(env.rank == 0)}", f"--local-addr={local}",
         "--max-restarts=0", "--no-python",
     ]

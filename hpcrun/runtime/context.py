@@ -45,14 +45,7 @@ class Context:
         self.checkpoints = ckpt.Checkpoints(
             self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous
         )
-        self.snapshots = (
-            snapshot.Snapshots(
-                local_scratch(spec.local_scratch), spec.run_id, env, spec.recipe.fault.collective_timeout_s,
-                on_slurm=spec.scheduler == "slurm",
-            )
-            if spec.takes_snapshots
-            else None
-        )
+        self.snapshots: snapshot.Snapshots | None = None  # built by `setup`, for an engine that keeps them
         self.resumed_from: str | None = None  # memory, replica or disk: the results row's `resumed_from`
         self.measured = Measurements()
         self.engine: tp.Any = None
@@ -88,9 +81,8 @@ class Context:
         self.engine = self.recipe.strategy.build(
             model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
         )
-        if self.snapshots is not None and not hasattr(self.engine, "snapshot_state"):
-            self.info("this strategy's engine keeps no in-memory snapshots: disk checkpoints only")
-            self.snapshots = None
+        if self.spec.takes_snapshots:
+            self.snapshots = self.snapshots_of(self.engine)
         restored = self.snapshots.restore(self.engine, found[0] if found else 0) if self.snapshots else None
         if restored:
             state, self.resumed_from = restored.state, restored.source
@@ -117,7 +109,7 @@ class Context:
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env
         watchdog = Watchdog(
-            self.run_dir, env.job_id, env.restart_count, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
+            self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
         )
         disk, memory = self.schedules()
         warmup = self.recipe.training.warmup_steps
@@ -192,6 +184,18 @@ class Context:
                     f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)"
                     + snapshots + saves
                 )
+
+    def snapshots_of(self, engine: tp.Any) -> snapshot.Snapshots | None:
+        """In-memory snapshots of `engine`'s state, when it keeps them (DeepSpeed's does not: its
+        ranks then build none, nor their gloo group). Collective."""
+        if not hasattr(engine, "snapshot_state"):
+            self.info("this strategy's engine keeps no in-memory snapshots: disk checkpoints only")
+            return None
+        spec = self.spec
+        return snapshot.Snapshots(
+            local_scratch(spec.local_scratch), spec.run_id, self.env, spec.recipe.fault.collective_timeout_s,
+            on_slurm=spec.scheduler == "slurm",
+        )
 
     def schedules(self) -> tuple[SaveSchedule, SaveSchedule | None]:
         """The cadence of disk checkpoints (a save due waits for the one before) and, when this

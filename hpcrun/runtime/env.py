@@ -19,13 +19,14 @@ class DistEnv:
     world_size: int
     device: torch.device
     backend: str
-    restart_count: int
+    attempt: int
     """hpcrun's attempt number in this job: every start of the training step, by a requeue or a
-    restart inside the job (the batch script's HPCRUN_ATTEMPT); names the attempt's files and rows."""
+    restart inside the job (the batch script's HPCRUN_ATTEMPT); names the attempt's files and rows.
+    On disk (state.json, the results and steps tables, progress.json) it is `restart_count`."""
     job_id: str
     node_list: str
     allocation_id: str  # the scheduler's own id of this allocation (SLURM_JOB_ID, unique per array task)
-    requeues: int = 0
+    slurm_requeues: int = 0
     """SLURM's count of this job's requeues (SLURM_RESTART_COUNT): what the requeue cap counts."""
 
     @property
@@ -87,8 +88,8 @@ def _env(rank: int, local_rank: int, world: int, job_id: str, allocation_id: str
         world_size=world,
         device=device,
         backend=backend,
-        restart_count=slurm.attempt_number(os.environ),
-        requeues=slurm.requeue_count(os.environ),
+        attempt=slurm.attempt_number(os.environ),
+        slurm_requeues=slurm.requeue_count(os.environ),
         job_id=job_id,
         node_list=os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename),
         allocation_id=allocation_id,

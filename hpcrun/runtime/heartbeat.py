@@ -1,5 +1,5 @@
 """Heartbeats: each rank's watchdog says, every few seconds, that its process still runs and
-which step it last completed (`heartbeats/<job>-<restart>-rank<N>.json`). A SIGSTOPped or dead
+which step it last completed (`heartbeats/<job>-<attempt>-rank<N>.json`). A SIGSTOPped or dead
 rank's file goes stale; a rank waiting in a collective keeps its own fresh.
 
 Who reads them: only the one writer of a hung attempt's record (hpcrun.runtime.failure), once,
@@ -31,11 +31,11 @@ def interval(world_size: int) -> float:
     return max(HEARTBEAT_S, world_size / HEARTBEATS_PER_S)
 
 
-def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, stepped: float,
+def write(run_dir: RunDir, job_id: str, attempt: int, rank: int, step: int, stepped: float,
           before: float | None = None) -> float:
     """This rank's last step (`stepped`: when, unix time) and that this process still runs, with
     when it last said so (`before`). Returns the time it says it ran (the next `before`)."""
-    path = run_dir.heartbeat(job_id, restart, rank)
+    path = run_dir.heartbeat(job_id, attempt, rank)
     path.parent.mkdir(exist_ok=True)
     alive = time.time()
     beat = {"rank": rank, "host": slurm.node_name(os.environ), "step": step, "stepped": stepped, "alive": alive,
@@ -44,7 +44,7 @@ def write(run_dir: RunDir, job_id: str, restart: int, rank: int, step: int, step
     return alive
 
 
-def silent(run_dir: RunDir, job_id: str, restart: int, world_size: int, at: float,
+def silent(run_dir: RunDir, job_id: str, attempt: int, world_size: int, at: float,
            skip: int | None = None) -> list[str]:
     """The ranks of an attempt whose process had stopped running at unix time `at` (no heartbeat
     for STALE intervals: SIGSTOPped, dead, or its node gone), each as "rank N on HOST (...)"
@@ -55,7 +55,7 @@ def silent(run_dir: RunDir, job_id: str, restart: int, world_size: int, at: floa
     for rank in range(world_size):
         if rank == skip:
             continue
-        path = run_dir.heartbeat(job_id, restart, rank)
+        path = run_dir.heartbeat(job_id, attempt, rank)
         try:
             beat = json.loads(path.read_text())
             alive, host, step = float(beat["alive"]), str(beat["host"]), int(beat["step"])

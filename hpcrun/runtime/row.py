@@ -57,7 +57,7 @@ def global_batch(spec: RunSpec) -> int | None:
     return None if own_batch else spec.world_size * t.micro_batch * t.grad_accum
 
 
-def plan_row(spec: RunSpec, job_id: str, restart: int, node_list: str | None) -> dict[str, tp.Any]:
+def plan_row(spec: RunSpec, job_id: str, attempt: int, node_list: str | None) -> dict[str, tp.Any]:
     """The columns the plan decides, and the attempt's ids: every row has them."""
     recipe, t, size = spec.recipe, spec.recipe.training, spec.size
     script = RunDir(spec.run_dir).script
@@ -73,7 +73,7 @@ def plan_row(spec: RunSpec, job_id: str, restart: int, node_list: str | None) ->
         "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "global_batch": global_batch(spec),
         "seq_len": t.seq_len, "activation_checkpointing": int(t.activation_checkpointing), "steps": t.steps,
         "seed": t.seed,
-        "job_id": job_id, "node_list": node_list, "restart_count": restart,
+        "job_id": job_id, "node_list": node_list, "restart_count": attempt,
         "hpcrun_version": __version__, "git_sha": spec.git_sha, "site_hash": spec.site_hash,
         "recipe_hash": _hash(recipe.model_dump_json()),
         "script_hash": _hash(script.read_text()) if script.exists() else None,
@@ -95,7 +95,7 @@ def result_row(ctx: Attempt, status: str, reason: str | None, peak: int) -> dict
     )
     ds_version = sys.modules["deepspeed"].__version__ if "deepspeed" in sys.modules else None
     return {
-        **plan_row(spec, ctx.env.job_id, ctx.env.restart_count, ctx.env.node_list),
+        **plan_row(spec, ctx.env.job_id, ctx.env.attempt, ctx.env.node_list),
         "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
         "torch_version": torch.__version__, "deepspeed_version": ds_version,
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,

@@ -166,12 +166,12 @@ def peer_of(nodes: list[str], rank: int) -> int | None:
     return nxt[groups[index].index(rank) % len(nxt)]
 
 
-def sweep(scratch: Path, allocation_id: str, requeues: int, others: bool) -> None:
+def sweep(scratch: Path, allocation_id: str, slurm_requeues: int, others: bool) -> None:
     """Remove what earlier job starts left in this node's scratch: this job's before its latest
     requeue and, with `others` (a SLURM job), any job of this user SLURM no longer lists (a batch
     shell killed before its exit cleared its nodes: a preemption past its grace time). Only on
     an answer that lists this job too; without SLURM's tools here (a container), only this job's."""
-    for n in range(requeues):
+    for n in range(slurm_requeues):
         shutil.rmtree(rundir.snapshot_job_dir(scratch, allocation_id, n), ignore_errors=True)
     ended = {job: paths for job, paths in rundir.snapshot_job_dirs(scratch).items() if job != allocation_id}
     if not others or not ended:
@@ -199,7 +199,7 @@ class Snapshots:
     def __init__(self, scratch: Path, run_id: str, env: DistEnv, timeout_s: float, on_slurm: bool) -> None:
         self.env, self.run_id = env, run_id
         # SLURM's requeue count, not hpcrun's attempt number: a restart inside the job finds the same directory
-        self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.requeues)
+        self.job_dir = rundir.snapshot_job_dir(scratch, env.allocation_id, env.slurm_requeues)
         self.host = slurm.node_name(os.environ)
         self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
         distributed = dist.is_initialized() and env.world_size > 1
@@ -216,7 +216,7 @@ class Snapshots:
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
         self._closed = False
         if env.local_rank == 0:
-            sweep(scratch, env.allocation_id, env.requeues, others=on_slurm)
+            sweep(scratch, env.allocation_id, env.slurm_requeues, others=on_slurm)
 
     def rank_dir(self, rank: int) -> Path:
         return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
@@ -432,7 +432,7 @@ class Snapshots:
             if self._closed:  # abandoned by a stop: its directories are being removed
                 return
             publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id,
-                    attempt=self.env.restart_count)
+                    attempt=self.env.attempt)
             published = True
         except Exception as exc:  # noqa: BLE001 - reported, and the ranks still meet below
             why = f"{type(exc).__name__}: {exc}"

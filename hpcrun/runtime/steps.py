@@ -26,7 +26,7 @@ from hpcrun import steps as dataset
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, read_json
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import failure
+from hpcrun.runtime import nodes as run_nodes
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements, peak_memory_bytes
 from hpcrun.runtime.straggler import (
@@ -63,7 +63,7 @@ def attempt_ids(ctx: Loop) -> dict[str, tp.Any]:
     spec = ctx.spec
     return {
         "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
-        "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "restart_count": ctx.env.restart_count,
+        "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "restart_count": ctx.env.attempt,
     }
 
 
@@ -266,7 +266,7 @@ class StepRecorder:
         found = {f"rank {s.rank} on {s.node}": round(s.ratio, 2) for s in new}
         nodes = sorted({s.node for s in new})
         spec, run_dir = self.ctx.spec, RunDir(self.ctx.spec.run_dir)
-        self.writer.submit(lambda: failure.record_slow(run_dir, spec, found, nodes))
+        self.writer.submit(lambda: run_nodes.record_slow(run_dir, spec, found, nodes))
 
     def slow_ranks(self) -> str | None:
         """The ranks this attempt named slow (rank 0; the results row's `slow_ranks`)."""

@@ -61,9 +61,9 @@ class Watchdog:
     made inside `saving()`."""
 
     def __init__(
-        self, run_dir: RunDir, job_id: str, restart: int, rank: int, world_size: int, timeout_s: float | None
+        self, run_dir: RunDir, job_id: str, attempt: int, rank: int, world_size: int, timeout_s: float | None
     ) -> None:
-        self.run_dir, self.job_id, self.restart, self.rank, self.world_size = run_dir, job_id, restart, rank, world_size
+        self.run_dir, self.job_id, self.attempt, self.rank, self.world_size = run_dir, job_id, attempt, rank, world_size
         self.fixed = timeout_s
         self.timeout_s: float | None = timeout_s
         self.step_times: list[float] = []
@@ -115,7 +115,7 @@ class Watchdog:
                     self.fire(timeout)
                 if time.monotonic() - self.written >= self.interval:
                     self.written = time.monotonic()  # a failing write is retried (and told) once an interval
-                    self.beaten = heartbeat.write(self.run_dir, self.job_id, self.restart, self.rank, self.step,
+                    self.beaten = heartbeat.write(self.run_dir, self.job_id, self.attempt, self.rank, self.step,
                                                 self.last_wall, self.beaten)
             except Exception as exc:  # noqa: BLE001 - a guard that dies guards nothing
                 self.say(f"watchdog: heartbeat not written, watching on: {type(exc).__name__}: {exc}")
@@ -140,7 +140,7 @@ class Watchdog:
                 self.say(f"stacks not written: {type(exc).__name__}: {exc}")
             # the attempt's one record (hpcrun.runtime.failure) reads why this rank ended and names
             # the silent ranks; no seconds in it, so the same hang at the same step twice is the same failure
-            failure.write_exit_record(self.run_dir, self.job_id, self.restart, self.rank, failure.HUNG, self.step + 1,
+            failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, failure.HUNG, self.step + 1,
                                       {})
         except Exception as exc:  # noqa: BLE001
             self.say(f"hang not recorded: {type(exc).__name__}: {exc}")

@@ -38,8 +38,8 @@ trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"
   done' EXIT
 
 # In-memory snapshots (checkpoint.memory_interval), node-local
-# (hpcrun.rundir.snapshot_job_dir: the ranks derive the same path; a lost node's went with it)
-node_dirs+=(/run/hpcrun-node-local/hpcrun-"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}")
+# (hpcrun.rundir.snapshot_job_name: the ranks name it with the same values; a lost node's went with it)
+node_dirs+=(/run/hpcrun-node-local/"hpcrun-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}")
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
 # on the allocation's first nodes (1).
