@@ -149,7 +149,7 @@ def doctor_tools(bindir: Path, **override: str) -> None:
         "sacct": "exit 0",
         "scontrol": "exit 0",
         "sinfo": 'echo "batch|2|2|4000|(null)|1:00:00"; echo "urgent|2|2|4000|(null)|1:00:00"; '
-        'echo "spare|3|2|4000|(null)|1:00:00"',
+        'echo "fragile|2|2|4000|(null)|1:00:00"; echo "spare|3|2|4000|(null)|1:00:00"',
         "sacctmgr": 'echo "acct|normal"',
     }
     tools.update(override)
