@@ -189,9 +189,10 @@ def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -
     assert restarted <= 2 * 20 + 10, f"the hang ended the attempt and the step restarted {restarted:.1f} s after it"
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
     # the live ranks wait for rank 3 in the same collective: their watchdogs fire together,
-    # each with its stacks (before srun ends the others, at least two of the three)
+    # each with its stacks (before srun ends the others, at least two of the three; rank 3's
+    # may fire too once SLURM's end of the step lets it run again: SIGCONT before SIGKILL)
     fired = set(re.findall(r"\[hpcrun rank (\d)\] hung: no step progress for 20 s", logs))
-    assert len(fired) >= 2 and "3" not in fired and "Thread" in logs, (fired, logs[-3000:])
+    assert len(fired - {"3"}) >= 2 and "Thread" in logs, (fired, logs[-3000:])
     failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
     silent = f"silent: rank 3 on {node}"  # the node as SLURM names it (not the host's own name)
     assert len(failed) == 1 and silent in failed[0]["reason"], failed
