@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import typing as tp
@@ -284,3 +285,60 @@ def test_a_stop_abandons_the_snapshot_in_flight(tmp_path: Path) -> None:
     engine.release.set()
     wait_for(lambda: not snaps.busy, "the abandoned snapshot's thread", timeout=30)
     assert not snaps.job_dir.exists(), sorted(str(p) for p in snaps.job_dir.rglob("*"))
+
+
+HUNG_PEER = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+from pathlib import Path
+from hpcrun.runtime import snapshot
+from hpcrun.runtime.env import DistEnv
+
+class Engine:
+    replicated = False
+    def snapshot_state(self, keep):
+        return {}
+    def write_snapshot(self, staged, path):
+        Path(path).write_bytes(b"state")
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+env = DistEnv(rank, rank, 2, torch.device("cpu"), "gloo", 0, "7", "localhost", "7")
+snaps = snapshot.Snapshots(Path(sys.argv[1]), "run", env, timeout_s=float(sys.argv[2]), on_slurm=False)
+snaps.save(Engine(), 1, {"step": 1})
+snaps.wait()  # both ranks agreed on step 1
+dist.barrier()
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: its sockets stay open
+time.sleep(0.5)
+snaps.save(Engine(), 2, {"step": 2})  # its agreement waits for rank 1
+started = time.monotonic()
+snaps.close(abandon=False)  # a completed run waits for the snapshot in flight
+print(f"closed after {time.monotonic() - started:.1f} s", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_hung_peer_holds_the_snapshot_no_longer_than_the_collective_timeout(tmp_path: Path) -> None:
+    """The snapshots' own gloo group has the job's collective timeout (fault.collective_timeout_s),
+    not torch's 30 minutes: with its peer SIGSTOPped, a rank waiting for its snapshot's agreement
+    (the end of a completed run) goes on within that timeout, the snapshot reported failed."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + random.randrange(2000)),
+           "PYTHONPATH": str(ROOT)}  # this checkout's hpcrun, whichever is installed
+    script = tmp_path / "hung_peer.py"
+    script.write_text(HUNG_PEER)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / f"node{rank}"), "5"],
+                         env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0, err[-3000:]
+    waited = float(re.search(r"closed after ([\d.]+) s", out)[1])  # type: ignore[index]
+    assert 3 <= waited < 30, (waited, err[-2000:])
+    assert "snapshot of step 2 failed" in err, err[-2000:]
