@@ -41,7 +41,7 @@ run_dir=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden
 # (SLURM_JOB_NUM_NODES counts a node SLURM has since dropped, and srun would refuse the count).
 srun_stderr=$(mktemp)
 node_dirs=()
-trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next"' EXIT
+trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending"' EXIT
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
 # on the allocation's first nodes (1).
@@ -71,7 +71,7 @@ while :; do
   # (the last one's may linger in TIME_WAIT)
   export MASTER_ADDR="${nodes%%,*}"-ib
   export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 997 * HPCRUN_ATTEMPT) % 12000))
-  rm -f "$srun_stderr.next" "$srun_stderr.status"
+  rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending"
   : >"$srun_stderr"
   trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
   trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
@@ -84,24 +84,31 @@ while :; do
     echo "${PIPESTATUS[0]}" >"$srun_stderr.status" ) &
   step=$!
   # srun waits for every task to report its end, and a lost node's never do: once a task has
-  # failed, a step still there 10 s later is ended here (its tasks on live nodes are gone).
-  # SLURM counts such a step as running until it drops the lost node: the steps after it --overlap.
-  failed_at=
-  while kill -0 "$step" 2>/dev/null; do
-    sleep 0.5 & wait $! || true  # how soon a restart can start after the step ends
-    if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
-      failed_at=$SECONDS
-    elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
-      echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
-      pkill -KILL -P "$step" -x srun || true
-      # and the step's tasks still on live nodes, before the failure step reads their records
-      for s in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
-        case $s in *.batch|*.extern) ;; *) scancel --signal=KILL "$s" 2>/dev/null || true ;; esac
-      done
-      failed_at=$((SECONDS + 3600))
-    fi
-  done
+  # failed, a step still there 10 s later is ended by a watcher beside it (its tasks on live
+  # nodes are gone). SLURM counts such a step as running until it drops the lost node: the steps
+  # after it --overlap. This shell waits for the step itself, so a restart starts as it ends.
+  ( trap '' USR2 TERM
+    failed_at=
+    while kill -0 "$step" 2>/dev/null; do
+      sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
+      if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
+        failed_at=$SECONDS
+      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
+        : >"$srun_stderr.ending"
+        echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
+        pkill -KILL -P "$step" -x srun || true
+        # and the step's tasks still on live nodes, before the failure step reads their records
+        for s in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+          case $s in *.batch|*.extern) ;; *) scancel --signal=KILL "$s" 2>/dev/null || true ;; esac
+        done
+        break
+      fi
+    done ) &
+  watcher=$!
   until wait "$step" || ! kill -0 "$step" 2>/dev/null; do :; done
+  # the watcher's work, once begun, is finished; else it has nothing left to watch
+  [ -e "$srun_stderr.ending" ] || kill -KILL "$watcher" 2>/dev/null || true
+  wait "$watcher" 2>/dev/null || true  # reaped here, where bash's "Killed" notice goes nowhere
   step_status=$(cat "$srun_stderr.status" 2>/dev/null || true)
   step_status=${step_status:-1}  # no status: the subshell was killed
   # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
