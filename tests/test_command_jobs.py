@@ -20,8 +20,8 @@ from tests.test_fault_tolerance import ranks
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
-STEP_DELAY_S = 0.5  # the job lasts >= 20 s on any CPU: time to signal it mid-way
+STEPS = 20
+STEP_DELAY_S = 0.5  # the job lasts >= 10 s on any CPU: time to signal it mid-way (3 s after it starts)
 
 
 def example(tmp_path: Path, name: str, **fields: object) -> Path:
