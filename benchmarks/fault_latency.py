@@ -56,9 +56,11 @@ def state(run_dir: Path) -> dict[str, tp.Any]:
 
 
 def path_taken(job: str) -> str:
-    """`requeue` when SLURM's accounting holds more than one record of the job (one per requeue), else `in job`."""
+    """`requeue` when SLURM's accounting shows the job went back through the queue (a REQUEUED,
+    PREEMPTED or NODE_FAIL record before its last), else `in job` (a dropped node adds RESIZING)."""
     out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
-    return "requeue" if len(out.stdout.split()) > 1 else "in job"
+    earlier = [line.split()[0] for line in out.stdout.split("\n") if line.strip()][:-1]
+    return "requeue" if {"REQUEUED", "PREEMPTED", "NODE_FAIL"} & set(earlier) else "in job"
 
 
 def one(tmp: Path, fault: str, n: int, restarts_in_job: int) -> str:

@@ -5,7 +5,6 @@ Read-only: cancelling is hpcrun.cancel, finding and following logs is hpcrun.log
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 import sys
@@ -278,17 +277,27 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
     return result
 
 
-@functools.cache
+PREEMPT_MODES: dict[str, bool] = {}  # partition -> whether SLURM requeues its preempted jobs (this process's answers)
+
+
 def requeues_preempted(partition: str) -> bool:
     """Whether SLURM requeues a job preempted in `partition` (its PreemptMode, which `scontrol`
     shows with the cluster's default filled in, has REQUEUE): else a PREEMPTED job is over.
-    Asked once per partition in a process; unknown (no answer) counts as requeued, SLURM's
-    usual setting, as before the partition was read."""
+    Asked once per partition in a process; no answer counts as requeued (SLURM's usual setting,
+    as before the partition was read) and is asked again next time. Where preemption is by QOS
+    (PreemptType=preempt/qos) the QOS's mode applies, which this does not read."""
     if not partition:
         return True
-    out = slurm.run(slurm.show_partition(partition.split(",")[0]))
-    mode = re.search(r"\bPreemptMode=(\S+)", out.stdout) if out.returncode == 0 else None
-    return mode is None or "REQUEUE" in mode[1].upper().split(",")
+    if partition not in PREEMPT_MODES:
+        try:
+            out = slurm.run(slurm.show_partition(partition.split(",")[0]))
+        except HpcrunError:
+            return True
+        mode = re.search(r"\bPreemptMode=(\S+)", out.stdout) if out.returncode == 0 else None
+        if mode is None:
+            return True
+        PREEMPT_MODES[partition] = "REQUEUE" in mode[1].upper().split(",")
+    return PREEMPT_MODES[partition]
 
 
 def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:

@@ -87,10 +87,10 @@ def test_a_checkpointable_call_resumes_from_its_checkpoint_after_one_requeue(tmp
 
 
 def test_a_call_that_raises_runs_once_and_its_error_is_the_result(tmp_path: Path) -> None:
-    """An exception from the call is its outcome: no requeue and no restart in the job (hpcrun's
-    defaults allow both for faults), the job ends FAILED and the call ran once."""
+    """An exception from the call is its outcome: no requeue and no restart in the job (which this
+    run allows for faults: restarts_in_job 2), the job ends FAILED and the call ran once."""
     ex = executor(tmp_path)
-    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5, hpcrun_recipe={"fault": {"restarts_in_job": 2}})
     ran = tmp_path / "ran"
     job = ex.submit(functions.append_and_raise, str(ran))
     with pytest.raises(submitit.core.utils.FailedJobError, match="the call's own error"):

@@ -340,5 +340,5 @@ def test_a_hung_peer_holds_the_snapshot_no_longer_than_the_collective_timeout(tm
             p.wait()
     assert procs[0].returncode == 0, err[-3000:]
     waited = float(re.search(r"closed after ([\d.]+) s", out)[1])  # type: ignore[index]
-    assert 3 <= waited < 30, (waited, err[-2000:])
+    assert 3 <= waited < 2 * 5 + 3, (waited, err[-2000:])
     assert "snapshot of step 2 failed" in err, err[-2000:]

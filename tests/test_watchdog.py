@@ -176,7 +176,7 @@ def test_derived_timeout_has_a_floor() -> None:
 def test_a_stopped_rank_that_slurm_let_run_again_is_still_named(tmp_path: Path) -> None:
     """SLURM ends a step with SIGCONT before SIGKILL, so a SIGSTOPped rank may beat once more
     after the hang was declared (seen on the test cluster): its previous beat says when it last
-    ran. A rank that beat all along (waiting in the collective) is not named."""
+    ran. A rank that beat all along (waiting in the collective), or just before it, is not named."""
     run_dir = RunDir(tmp_path)
     hung_at = time.time()
     fresh = heartbeat.write(run_dir, "7", 0, 1, 11, hung_at - 20, before=hung_at - 24)  # alive all along
@@ -184,6 +184,9 @@ def test_a_stopped_rank_that_slurm_let_run_again_is_still_named(tmp_path: Path) 
     assert fresh >= hung_at and resumed >= hung_at
     fresh_path = run_dir.heartbeat("7", 0, 1)
     beat = json.loads(fresh_path.read_text())
-    fresh_path.write_text(json.dumps({**beat, "alive": hung_at - 3, "before": hung_at - 8}))
-    found = heartbeat.silent(run_dir, "7", 0, 3, hung_at, skip=0)
+    fresh_path.write_text(json.dumps({**beat, "before": hung_at - 3}))  # beat after the hang too, and just before
+    # rank 3 beat 3 s before the hang, after a long gap: running when it was declared
+    last = {**beat, "rank": 3, "alive": hung_at - 3, "before": hung_at - 60}
+    run_dir.heartbeat("7", 0, 3).write_text(json.dumps(last))
+    found = heartbeat.silent(run_dir, "7", 0, 4, hung_at, skip=0)
     assert [f.split(" (")[0] for f in found] == ["rank 2 on " + beat["host"]], found

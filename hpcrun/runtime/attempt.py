@@ -11,7 +11,7 @@ import typing as tp
 import torch
 import torch.distributed as dist
 
-from hpcrun import jobstate
+from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
@@ -30,6 +30,11 @@ from hpcrun.signals import FLAG
 def run(spec: RunSpec) -> dict[str, tp.Any]:
     """One rank of one attempt of `spec`. Returns this rank's summary; raises when the job
     failed (after recording it, and requeueing where the cap allows)."""
+    # a restart inside the job: the previous attempt's ranks on this node may still be exiting;
+    # waited for before from_scheduler, whose set_device already takes a context on the GPU
+    waited = 0.0
+    if spec.scheduler == "slurm" and slurm.attempt_number(os.environ) > 0 and "SLURM_JOB_ID" in os.environ:
+        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], slurm.attempt_number(os.environ))
     env = from_scheduler()
     FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
     # every rank's own log says whose it is: a failure is read in one rank's file
@@ -39,10 +44,6 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         f" (requeues {env.slurm_requeues})",
         flush=True,
     )
-    # a restart inside the job: the previous attempt's ranks on this node may still be exiting
-    waited = 0.0
-    if spec.scheduler == "slurm" and env.attempt > 0 and "SLURM_JOB_ID" in os.environ:
-        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], env.attempt)
     # a command job's own script owns MASTER_PORT; a function creates its own process group, as under submitit
     if spec.recipe.job.kind not in ("command", "function"):
         if env.backend == "nccl":
@@ -77,11 +78,12 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         raise
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)
-    # a stopped function job's ranks may have been interrupted in different collectives of the
-    # call's own process group: none runs another there (it could hang until the time limit);
-    # rank 0 alone records and requeues the stop, and a rank left waiting for a peer that has
-    # gone is released by the peer's exit
-    alone = spec.recipe.job.kind == "function" and ctx.stopped is not None
+    # a function job's process group is the call's own: hpcrun runs no collective on it (ranks a
+    # stop interrupted in different collectives would hang, and a rank whose call returned before
+    # the signal reached it cannot tell); rank 0 alone records the attempt and requeues a stop.
+    # A gloo rank left waiting for a peer that has gone is released by the peer's exit; an NCCL
+    # one only by the group's timeout
+    alone = spec.recipe.job.kind == "function"
     row = {}
     if env.is_main or not alone:
         row = finish(ctx, status, reason, collective=not alone, job_timeouts=job_timeouts)

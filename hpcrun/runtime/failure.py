@@ -20,11 +20,13 @@ import json
 import os
 import sys
 import typing as tp
+from pathlib import Path
 
 from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
-from hpcrun.rundir import RunDir, newest_checkpoint, read_json, write_json
+from hpcrun.recipe import FunctionJob
+from hpcrun.rundir import RunDir, atomic_path, newest_checkpoint, read_json, write_json
 from hpcrun.runtime import heartbeat
 from hpcrun.runtime.cause import Failure, first_failure, step_message
 from hpcrun.runtime.nodes import exclusions, hostnames, lost_step_nodes, partition_size, restart_nodes
@@ -97,6 +99,19 @@ def write_exit_record(
     write_json(run_dir.exit_record(job_id, attempt, rank), json.loads(json.dumps(record, default=str)))
 
 
+def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int, error: str) -> None:
+    """A function job whose call raised: the tasks srun ended before they wrote an outcome (a
+    peer's call raised first) get its error where submitit's Job looks, so `job.result()` says it."""
+    from submitit.core.utils import JobPaths, cloudpickle_dump
+
+    folder = Path(job.folder) if job.folder else run_dir.logs
+    for task in range(world_size):
+        path = JobPaths(folder, job_id=job_id, task_id=task).result_pickle
+        if not path.exists():
+            with atomic_path(path) as tmp:
+                cloudpickle_dump(("error", f"another task's call raised: {error}"), tmp)
+
+
 def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> str | None:
     """The failed attempt's one results row and state, and the requeue when the cap allows and
     the failure is not the previous attempt's again. Returns the reason (None: already recorded
@@ -112,6 +127,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     own = next((r for r in records if r.get("rank") == failure.rank), None)
     failure = name_silent(run_dir, job_id, attempt, failure, own, spec.world_size)
     final = bool(own.get("final")) if own else any(r.get("final") for r in records)
+    if final and isinstance(spec.recipe.job, FunctionJob):
+        failed_call(spec.recipe.job, run_dir, job_id, spec.world_size, str((own or records[0]).get("error")))
     signature = failure.signature(newest_checkpoint(run_dir.checkpoints))
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]

@@ -15,9 +15,9 @@ returns the DelayedSubmission to run next, which replaces the run's pickle; the 
 ends as a stopped one and hpcrun requeues it (hpcrun.runtime.attempt). A callable without
 `checkpoint` is called again from the start, as submitit does after a preemption.
 
-A stop may find the ranks in different collectives of the call's process group: no rank runs
-another collective after it, rank 0 alone records and requeues it (hpcrun.runtime.attempt), and
-an error a rank gets once the stop has come (a peer that left a collective) is the stop's.
+A stop may find the ranks in different collectives of the call's process group: hpcrun runs no
+collective there, rank 0 alone records the attempt and requeues it (hpcrun.runtime.attempt), and
+an error a rank gets once the stop has come (a peer that left a gloo collective) is the stop's.
 
 Raising. An exception from the call is its outcome, not a fault: the error result is written,
 the rank fails with CallRaised, and the failure step (hpcrun.runtime.failure) neither restarts

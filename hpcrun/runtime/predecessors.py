@@ -7,9 +7,11 @@ beside it would fail with out-of-memory at set-up. So each rank of a restart, be
 a device, waits until no process of an earlier attempt of its job runs on its node: one whose
 environment has this job's SLURM_JOB_ID and an earlier HPCRUN_ATTEMPT (the batch script's count),
 the ranks and whatever they started (data-loader and compile workers) alike. /proc shows the
-node's processes (a container's, where the ranks run in one: their predecessors ran in one too).
-The wait is bounded (WAIT_S, then a line on stderr and the start goes on) and measured: the
-results row's `restart_wait_s`.
+node's processes.
+A process is followed by its pid once found: one whose exit has begun shows no environment while
+it still frees its memory. The wait is bounded (WAIT_S, then a line on stderr and the start goes
+on) and measured: the results row's `restart_wait_s`. /proc must show the old ranks: a container
+that runs the ranks in a pid namespace of their own per step hides them (no wait).
 
 Imports no torch: it runs before the rank touches a device.
 """
@@ -42,19 +44,29 @@ def earlier(job_id: str, attempt: int, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
+def running(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Not yet a zombie: a process whose exit has begun can no longer show its environment, but
+    frees its memory (host pages, then its device files) only on the way to being one."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
 def wait_gone(job_id: str, attempt: int, timeout: float = WAIT_S) -> float:
     """Seconds waited until no process of an earlier attempt of `job_id` runs here (at most
-    `timeout`; then a line on stderr)."""
+    `timeout`; then a line on stderr): those found by their environment, followed by pid."""
     start = time.monotonic()
-    left = earlier(job_id, attempt)
+    left = set(earlier(job_id, attempt))
     if left:
         print(f"[hpcrun] waiting for earlier attempts' processes on this node to exit: pids "
-              f"{', '.join(map(str, left[:8]))}", file=sys.stderr, flush=True)
+              f"{', '.join(map(str, sorted(left)[:8]))}", file=sys.stderr, flush=True)
     while left and time.monotonic() - start < timeout:
         time.sleep(POLL_S)
-        left = earlier(job_id, attempt)
+        left = {pid for pid in left if running(pid)} | set(earlier(job_id, attempt))
     waited = time.monotonic() - start
     if left:
         print(f"[hpcrun] starting beside attempt < {attempt}'s processes still here after {waited:.0f} s: "
-              f"pids {', '.join(map(str, left[:8]))}", file=sys.stderr, flush=True)
+              f"pids {', '.join(map(str, sorted(left)[:8]))}", file=sys.stderr, flush=True)
     return waited

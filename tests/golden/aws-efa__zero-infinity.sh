@@ -97,6 +97,8 @@ while :; do
   # nodes are gone). SLURM counts such a step as running until it drops the lost node: the steps
   # after it --overlap. This shell waits for the step itself, so a restart starts as it ends.
   ( trap '' USR2 TERM
+    set +e  # a failed log write must not end the watch
+    unset HPCRUN_ATTEMPT  # its children are no attempt's processes a restart waits for
     failed_at=
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
@@ -107,7 +109,7 @@ while :; do
         echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
         pkill -KILL -P "$step" -x srun || true
         # and the step's tasks still on live nodes, before the failure step reads their records
-        for s in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+        for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
           case $s in *.batch|*.extern) ;; *) scancel --signal=KILL "$s" 2>/dev/null || true ;; esac
         done
         break
@@ -117,7 +119,8 @@ while :; do
   until wait "$step" || ! kill -0 "$step" 2>/dev/null; do :; done
   # the watcher's work, once begun, is finished; else it has nothing left to watch
   [ -e "$srun_stderr.ending" ] || kill -KILL "$watcher" 2>/dev/null || true
-  wait "$watcher" 2>/dev/null || true  # reaped here, where bash's "Killed" notice goes nowhere
+  # reaped here, where bash's "Killed" notice goes nowhere; a trapped signal ends `wait` early
+  until wait "$watcher" 2>/dev/null || ! kill -0 "$watcher" 2>/dev/null; do :; done
   step_status=$(cat "$srun_stderr.status" 2>/dev/null || true)
   step_status=${step_status:-1}  # no status: the subshell was killed
   # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
