@@ -137,7 +137,7 @@ def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: 
     return dict(row)
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.oldest_torch), "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lost_node_resumes_from_the_replica(
     strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -217,6 +217,7 @@ def test_verify_refuses_what_differs_from_the_manifest(tmp_path: Path) -> None:
     assert "missing" in (snapshot.verify(done) or "")
 
 
+@pytest.mark.oldest_torch
 def test_local_run_with_snapshots_finishes_identically(tmp_path: Path) -> None:
     """`hpcrun submit --site local` with snapshots every 2 steps into the default scratch
     (/dev/shm): the same weights and losses as with none, every snapshot taken and none failed,
@@ -270,6 +271,7 @@ class HeldWrite:
         self.release.wait(60)
 
 
+@pytest.mark.oldest_torch
 def test_a_stop_abandons_the_snapshot_in_flight(tmp_path: Path) -> None:
     """A stop must fit in SLURM's KillWait, and a snapshot is of no use to a requeue (it resumes
     from disk): closing after a stop returns while the snapshot is still being written, and the
@@ -319,6 +321,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.oldest_torch
 def test_a_hung_peer_holds_the_snapshot_no_longer_than_the_collective_timeout(tmp_path: Path) -> None:
     """The snapshots' own gloo group has the job's collective timeout (fault.collective_timeout_s),
     not torch's 30 minutes: with its peer SIGSTOPped, a rank waiting for its snapshot's agreement
