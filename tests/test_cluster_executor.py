@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import typing as tp
 from pathlib import Path
 
 import pytest
@@ -69,14 +70,20 @@ def _run_dir_of(job: submitit.Job[int]) -> Path:
     return job.paths.submitted_pickle.resolve().parent
 
 
+def stop_after_three_steps(job: submitit.Job[tp.Any], progress: Path, timeout: float) -> float:
+    """USR2 to the job once the call has counted past 3 (its `progress` file); when it was sent."""
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1", "2", "3"), "the call's 4th step",
+             timeout)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    return time.monotonic()
+
+
 def test_a_checkpointable_call_resumes_from_its_checkpoint_after_one_requeue(tmp_path: Path) -> None:
     ex = executor(tmp_path)
     ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=5)
     progress = tmp_path / "progress"
     job = ex.submit(functions.Counter(), 30, 0.2, str(progress))
-    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1", "2", "3"), "the call's 4th step", 120)
-    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
-    started = time.monotonic()
+    started = stop_after_three_steps(job, progress, 120)
     result = job.result()
     assert result["done"] == 30
     assert result["resumed_from"] is not None and 4 <= result["resumed_from"] < 30, result
@@ -126,9 +133,7 @@ def test_a_function_job_stopped_mid_collective_requeues(tmp_path: Path) -> None:
     ex.update_parameters(nodes=2, tasks_per_node=2, timeout_min=5)
     progress = tmp_path / "progress"
     job = ex.submit(functions.CollectiveCounter(), 60, 0.3, str(progress))
-    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1", "2", "3"), "the call's 4th step", 180)
-    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
-    started = time.monotonic()
+    started = stop_after_three_steps(job, progress, 180)
     results = job.results()  # one per rank
     assert [(r["done"], r["world"], r["restarts"]) for r in results] == [(60, 4, ["0", "1"])] * 4, results
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
