@@ -282,6 +282,14 @@ def show_partition(partition: str | None = None) -> list[str]:
     return ["scontrol", "show", "partition", partition] if partition else ["scontrol", "-a", "show", "partition", "-o"]
 
 
+def partition_field(partition: str, name: str) -> str | None:
+    """One field of `scontrol show partition` (TotalNodes, PreemptMode, ...); None when SLURM does
+    not say. A tool that cannot be started or does not answer raises, as `run` does."""
+    out = run(show_partition(partition))
+    found = re.search(rf"\b{re.escape(name)}=(\S+)", out.stdout) if out.returncode == 0 else None
+    return found[1] if found else None
+
+
 def partitions_summary() -> list[str]:
     return ["sinfo", "-h", "-o", "%R|%D|%c|%m|%G|%l"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 import time
 import typing as tp
@@ -290,13 +289,12 @@ def requeues_preempted(partition: str) -> bool:
         return True
     if partition not in PREEMPT_MODES:
         try:
-            out = slurm.run(slurm.show_partition(partition.split(",")[0]))
+            mode = slurm.partition_field(partition.split(",")[0], "PreemptMode")
         except HpcrunError:
             return True
-        mode = re.search(r"\bPreemptMode=(\S+)", out.stdout) if out.returncode == 0 else None
         if mode is None:
             return True
-        PREEMPT_MODES[partition] = "REQUEUE" in mode[1].upper().split(",")
+        PREEMPT_MODES[partition] = "REQUEUE" in mode.upper().split(",")
     return PREEMPT_MODES[partition]
 
 

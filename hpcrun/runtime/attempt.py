@@ -32,9 +32,9 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     failed (after recording it, and requeueing where the cap allows)."""
     # a restart inside the job: the previous attempt's ranks on this node may still be exiting;
     # waited for before from_scheduler, whose set_device already takes a context on the GPU
-    waited = 0.0
-    if spec.scheduler == "slurm" and slurm.attempt_number(os.environ) > 0 and "SLURM_JOB_ID" in os.environ:
-        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], slurm.attempt_number(os.environ))
+    waited, attempt = 0.0, slurm.attempt_number(os.environ)
+    if spec.scheduler == "slurm" and attempt > 0 and "SLURM_JOB_ID" in os.environ:
+        waited = predecessors.wait_gone(os.environ["SLURM_JOB_ID"], attempt)
     env = from_scheduler()
     FLAG.install()  # done by hpcrun.launch already; again in case the task was started otherwise
     # every rank's own log says whose it is: a failure is read in one rank's file

@@ -20,13 +20,12 @@ import json
 import os
 import sys
 import typing as tp
-from pathlib import Path
 
 from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import FunctionJob
-from hpcrun.rundir import RunDir, atomic_path, newest_checkpoint, read_json, write_json
+from hpcrun.rundir import RunDir, newest_checkpoint, read_json, write_json
 from hpcrun.runtime import heartbeat
 from hpcrun.runtime.cause import Failure, first_failure, step_message
 from hpcrun.runtime.nodes import exclusions, hostnames, lost_step_nodes, partition_size, restart_nodes
@@ -102,14 +101,15 @@ def write_exit_record(
 def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int, error: str) -> None:
     """A function job whose call raised: the tasks srun ended before they wrote an outcome (a
     peer's call raised first) get its error where submitit's Job looks, so `job.result()` says it."""
-    from submitit.core.utils import JobPaths, cloudpickle_dump
+    from submitit.core.utils import JobPaths
 
-    folder = Path(job.folder) if job.folder else run_dir.logs
+    from hpcrun.executor import call_folder, write_outcome
+
+    folder = call_folder(job, run_dir)
     for task in range(world_size):
         path = JobPaths(folder, job_id=job_id, task_id=task).result_pickle
         if not path.exists():
-            with atomic_path(path) as tmp:
-                cloudpickle_dump(("error", f"another task's call raised: {error}"), tmp)
+            write_outcome(path, ("error", f"another task's call raised: {error}"))
 
 
 def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> str | None:

@@ -29,10 +29,9 @@ from __future__ import annotations
 import os
 import signal
 import traceback
-import typing as tp
 from pathlib import Path
 
-from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
+from submitit.core.utils import DelayedSubmission, JobPaths
 
 from hpcrun import executor
 from hpcrun.recipe import FunctionJob
@@ -60,7 +59,7 @@ def _interrupt(signum: int) -> None:
 def run_function(ctx: Context) -> None:
     job = ctx.recipe.job
     assert isinstance(job, FunctionJob)
-    folder = Path(job.folder) if job.folder else ctx.run_dir.logs
+    folder = executor.call_folder(job, ctx.run_dir)
     result = JobPaths(folder, job_id=ctx.env.job_id, task_id=ctx.rank).result_pickle
     # what submitit's JobEnvironment reads (hpcrun.executor.HpcrunJobEnvironment)
     os.environ.update(SUBMITIT_EXECUTOR=executor.NAME, SUBMITIT_FOLDER=str(folder), HPCRUN_JOB_ID=ctx.env.job_id)
@@ -78,9 +77,9 @@ def run_function(ctx: Context) -> None:
     except Exception as exc:
         if ctx.flag.signum is not None:  # after a stop: its consequence (a peer left a collective), not the call's
             return stopped(ctx, delayed, result, ctx.flag.signum)
-        _write(result, ("error", traceback.format_exc()))
+        executor.write_outcome(result, ("error", traceback.format_exc()))
         raise CallRaised(f"{type(exc).__name__}: {exc}") from exc
-    ctx.when_recorded.append(lambda: _write(result, ("success", value)))
+    ctx.when_recorded.append(lambda: executor.write_outcome(result, ("success", value)))
 
 
 def stopped(ctx: Context, delayed: DelayedSubmission, result: Path, signum: int) -> None:
@@ -114,9 +113,5 @@ def _if_ended(ctx: Context, result: Path) -> None:
     where submitit's Job looks, instead of a job that never produced output."""
     recorded = ctx.run_dir.state()
     if recorded.get("status") == "failed":
-        _write(result, ("error", f"the job was stopped and not requeued: {recorded.get('reason')}"))
+        executor.write_outcome(result, ("error", f"the job was stopped and not requeued: {recorded.get('reason')}"))
 
-
-def _write(path: Path, outcome: tuple[str, tp.Any]) -> None:
-    with atomic_path(path) as tmp:
-        cloudpickle_dump(outcome, tmp)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime as dt
-import re
 import typing as tp
 
 from hpcrun import jobstate, slurm
@@ -80,9 +79,8 @@ def lost_nodes(node_list: str) -> list[str]:
 
 def partition_size(partition: str) -> int:
     """The partition's node count; 0 when SLURM does not say."""
-    out = slurm.run(slurm.show_partition(partition))
-    found = re.search(r"TotalNodes=(\d+)", out.stdout) if out.returncode == 0 else None
-    return int(found[1]) if found else 0  # unknown: no exclusion (it could leave too few nodes)
+    total = slurm.partition_field(partition, "TotalNodes")
+    return int(total) if total and total.isdigit() else 0  # unknown: no exclusion (it could leave too few nodes)
 
 
 def exclusions(state: dict[str, tp.Any], nodes: list[str], room: int, needed: int) -> list[str]:
