@@ -5,9 +5,18 @@ Arms, each a fresh process tree, in this order (each row printed as it finishes)
 - `bare`: a hand-written DDP loop (world 1) on the same model, data, AdamW, clipping and precision;
 - `hpcrun ddp, recovery off`: `hpcrun submit --wait`, checkpoint interval beyond the run, no snapshots;
 - the same with `training.compile: true` (the blocks through torch.compile);
-- `hpcrun ddp, defaults`: the recipe's checkpoint and snapshot defaults (saves inside the run);
+- `hpcrun ddp, defaults`: the checkpoint and snapshot defaults a SLURM site gets (both spaced by
+  their measured cost: at this step time and state, no save falls inside a short run; the note says
+  the interval each chose);
+- `hpcrun ddp, saves every 20/10 steps` (`--save-every`, `--snapshot-every`): disk checkpoints and
+  snapshots at fixed steps, so their cost shows inside the run (what one save costs, whatever the
+  interval); the note has the rank's own count of each and its measured cost;
 - every other strategy the planner says fits (`--strategies`; DeepSpeed's only where it is installed).
 All arms use one micro-batch: by default the largest the planner fits for DDP in 90% of the GPU.
+Besides tokens/s (hpcrun's rows: per mean step, stalls out) each arm's loop tokens/s is what the
+wall clock saw from the end of the warm-up to the end of the second-last step (the steps table's
+times; in-run saves and snapshots in, the final save out, as the bare loop has none), and its host
+memory the node's peak use (MemTotal - MemAvailable, sampled) above what it was before the arm.
 No arm starts that the slowest so far says would overrun `--budget-s` (default 480 s: about 8
 minutes on one H100 for 1.3b).
 
@@ -101,7 +110,7 @@ def bare(out: Path, model: str, steps: int, warmup: int, mb: int, seq: int, prec
     ddp = DistributedDataParallel(GPT(size, seq).to(device), gradient_as_bucket_view=True)
     opt = adamw(ddp.parameters(), lr=1e-3)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
-    times = []
+    times, ends = [], []
     for step in range(steps):
         start = time.perf_counter()
         x, y = synthetic_batch(0, step, 0, mb, seq, size.vocab)
@@ -112,10 +121,12 @@ def bare(out: Path, model: str, steps: int, warmup: int, mb: int, seq: int, prec
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()  # the step's end, as hpcrun's loop syncs on it
-        times.append(time.perf_counter() - start)
+        ends.append(time.perf_counter())
+        times.append(ends[-1] - start)
     timed = times[warmup:]
     peak = peak_memory_bytes(device)  # as hpcrun's rows measure it
-    out.write_text(json.dumps({"tokens_per_s": mb * seq * len(timed) / sum(timed), "peak": peak}))
+    loop = mb * seq * (steps - 1 - warmup) / (ends[steps - 2] - ends[warmup - 1])  # as loop_tokens_per_s
+    out.write_text(json.dumps({"tokens_per_s": mb * seq * len(timed) / sum(timed), "peak": peak, "loop": loop}))
     dist.destroy_process_group()
 
 
@@ -125,8 +136,44 @@ class Arm(tp.NamedTuple):
     recipe: dict[str, tp.Any] | None  # None: the bare loop
 
 
-def planned_gb(site: Path, recipe: dict[str, tp.Any], option: str, tmp: Path) -> tuple[float, bool, str]:
-    """The planner's estimate per GPU for `option` at the recipe's shape: (GB, fits, why)."""
+class HostMemory:
+    """The node's peak host memory in use (MemTotal - MemAvailable) while it runs, sampled."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.base = self.peak = self.used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def used() -> int:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) * 1024
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self.used())
+
+    def stop(self) -> float:
+        """Bytes above the use before the arm."""
+        self._stop.set()
+        self._thread.join()
+        return float(self.peak - self.base)
+
+
+def loop_tokens_per_s(steps: tp.Any, tokens_per_step: int, warmup: int, last: int) -> float | None:
+    """Tokens over the wall time from the end of step `warmup` to the end of step `last - 1` (the
+    steps table's `time`: the final step's save left out)."""
+    at = {int(s): t for s, t in zip(steps["step"], steps["time"])}
+    if warmup not in at or last - 1 not in at or last - 1 <= warmup:
+        return None
+    return tokens_per_step * (last - 1 - warmup) / (at[last - 1] - at[warmup]).total_seconds()
+
+
+def planned_gb(site: Path, recipe: dict[str, tp.Any], option: str, tmp: Path) -> tuple[float, float, bool, str]:
+    """The planner's estimate for `option` at the recipe's shape: (GB per GPU, host GB per node, fits, why)."""
     from hpcrun.memory import estimate
     from hpcrun.plan import plan
     from hpcrun.recipe import load_recipe
@@ -136,7 +183,7 @@ def planned_gb(site: Path, recipe: dict[str, tp.Any], option: str, tmp: Path) ->
     path.write_text(yaml.safe_dump(recipe))
     spec = plan(load_site(str(site)), load_recipe(path).base, path, "planned")
     [verdict] = [e for e in estimate(spec) if e.option.name == option]
-    return verdict.gpu_gb, verdict.fits, verdict.why
+    return verdict.gpu_gb, verdict.cpu_gb_per_node, verdict.fits, verdict.why
 
 
 def main() -> None:
@@ -148,6 +195,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="past checkpoint.interval's default (50): one save")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--save-every", type=int, default=20, help="the saves arm's checkpoint.interval")
+    parser.add_argument("--snapshot-every", type=int, default=10, help="the saves arm's checkpoint.memory_interval")
+    parser.add_argument("--only", default="", help="comma-separated: run only the arms whose names contain one")
     parser.add_argument("--write", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     parser.add_argument("--cpu-check", action="store_true", help="run the pipeline on CPU (tiny, fp32) to check it")
     parser.add_argument("--bare", help=argparse.SUPPRESS)  # internal: run the bare loop, write its JSON here
@@ -162,6 +212,7 @@ def main() -> None:
     from hpcrun.memory import largest_micro_batch, options
     from hpcrun.results import load
     from hpcrun.sizes import SIZES
+    from hpcrun.steps import load_steps
 
     tmp = scratch("gpu-mfu-")
     if args.cpu_check:
@@ -178,7 +229,7 @@ def main() -> None:
     site = scratch_site(tmp, "local", name="gpu-mfu", partitions={"bench": partition}, default_partition="bench")
     by_name = {o.name: o for o in options()}
 
-    def recipe(name: str, option: str, recovery: bool, mb: int) -> dict[str, tp.Any]:
+    def recipe(name: str, option: str, recovery: bool, mb: int, **checkpoint: tp.Any) -> dict[str, tp.Any]:
         return {
             "name": f"mfu-{name}",
             "job": {"kind": "benchmark", "model": args.model},
@@ -186,8 +237,10 @@ def main() -> None:
             "strategy": by_name[option].recipe,
             "resources": {"nodes": 1, "gpus_per_node": 1, "time": "01:00:00"},
             "training": {"steps": args.steps, "warmup_steps": args.warmup, "micro_batch": mb, "seq_len": args.seq_len},
-            # recovery off: no save inside the run (the final one is not timed), no snapshots
-            **({} if recovery else {"checkpoint": {"interval": 10**6, "memory_interval": 0}}),
+            # recovery off: no save inside the run (the final one is not timed), no snapshots; on: as a
+            # SLURM site (snapshots are asked for: a local site keeps none unless memory_interval is set)
+            "checkpoint": checkpoint or ({"memory_interval": None} if recovery else {"interval": 10**6,
+                                                                                   "memory_interval": 0}),
         }
 
     def compiled(recipe: dict[str, tp.Any]) -> dict[str, tp.Any]:
@@ -212,11 +265,19 @@ def main() -> None:
     arms = [
         Arm("bare", "ddp", None),
         Arm("hpcrun ddp, recovery off", "ddp", recipe("ddp-off", "ddp", False, mb)),
-        Arm("hpcrun ddp, recovery off, compiled", "ddp", compiled(recipe("ddp-compiled", "ddp", False, mb))),
         Arm("hpcrun ddp, defaults", "ddp", recipe("ddp-defaults", "ddp", True, mb)),
+        Arm(
+            f"hpcrun ddp, saves every {args.save_every}/{args.snapshot_every} steps",
+            "ddp",
+            recipe("ddp-saves", "ddp", True, mb, interval=args.save_every, memory_interval=args.snapshot_every),
+        ),
     ]
     for option in filter(None, args.strategies.split(",")):
         arms.append(Arm(f"hpcrun {option}, recovery off", option, recipe(option, option, False, mb)))
+    # last: inductor's compile costs start-up time the budget may not have
+    arms.append(Arm("hpcrun ddp, recovery off, compiled", "ddp", compiled(recipe("ddp-compiled", "ddp", False, mb))))
+    if args.only:
+        arms = [arm for arm in arms if any(part in arm.name for part in args.only.split(","))]
 
     flops = SIZES[args.model].flops_per_token(args.seq_len)
     print(
@@ -224,16 +285,21 @@ def main() -> None:
         f"({args.warmup} warm-up); MFU against {peak_tflops:g} TFLOP/s",
         flush=True,
     )
-    header = ["arm", "tokens/s/GPU", "vs bare", "MFU", "peak GiB", "planned GiB", "planned vs measured", "note"]
+    header = [
+        "arm", "tokens/s/GPU", "vs bare", "loop tokens/s", "loop vs bare", "MFU", "peak GiB", "planned GiB",
+        "planned vs measured", "host GiB", "planned host GiB", "note",
+    ]
+    tokens_per_step = mb * args.seq_len
     table: list[list[str]] = []
-    bare_tps = None
+    bare_tps = bare_loop = None
     took: list[float] = []
     for arm in arms:
         arm_began = time.monotonic()
         shape = arm.recipe or recipe("bare", "ddp", False, mb)
-        gb, fits, why = planned_gb(site, shape, arm.option, tmp)
+        gb, host_gb, fits, why = planned_gb(site, shape, arm.option, tmp)
         left = args.budget_s - (time.monotonic() - began)
-        note, tps, peak = "", None, None
+        note, tps, peak, loop, host = "", None, None, None, None
+        sampler = HostMemory()
         if arm.option.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
             note = "skipped: DeepSpeed is not installed"
         elif not fits:
@@ -263,7 +329,7 @@ def main() -> None:
             done = run(call, left)
             if out.exists():
                 measured = json.loads(out.read_text())
-                tps, peak = measured["tokens_per_s"], measured["peak"]
+                tps, peak, loop = measured["tokens_per_s"], measured["peak"], measured["loop"]
             else:
                 note = f"failed: {done}"
         else:
@@ -276,22 +342,41 @@ def main() -> None:
             rows = rows[rows["run_id"].str.endswith(arm.recipe["name"])]
             if rows.empty or rows.iloc[-1]["status"] != "completed":
                 note = "failed: " + (str(rows.iloc[-1]["reason"]) if not rows.empty else done)
+                for log in sorted((tmp / "runs").glob(f"*{arm.recipe['name']}/logs/*")):  # gone at exit: print
+                    print(f"--- {log.name}, its end:", *log.read_text(errors="replace").splitlines()[-25:], sep="\n")
             row = rows.iloc[-1] if not rows.empty else None
             if row is not None and pd.notna(row["tokens_per_s_per_gpu"]) and pd.notna(row["peak_memory_bytes"]):
                 tps, peak = float(row["tokens_per_s_per_gpu"]), float(row["peak_memory_bytes"])
                 stalled = row["checkpoint_stall_s"] if pd.notna(row["checkpoint_stall_s"]) else 0.0
                 if stalled and not note:  # tokens/s leaves the stalls out; the final save is one of them
                     note = f"{row['checkpoint_saves']} saves, {stalled:.1f} s stalled"
+                snapped = row["snapshot_stall_s"] if pd.notna(row["snapshot_stall_s"]) else 0.0
+                if snapped and not note.startswith("failed"):
+                    note += f"; snapshots {snapped:.1f} s stalled"
+            steps = load_steps(tmp / "results", run_id=list(rows["run_id"].unique())) if not rows.empty else None
+            if steps is not None and not steps.empty:
+                loop = loop_tokens_per_s(steps, tokens_per_step, args.warmup, args.steps)
+            for log in (tmp / "runs").glob(f"*{arm.recipe['name']}/logs/*.out"):  # rank 0's own account of its saves
+                said = [line for line in log.read_text(errors="replace").splitlines() if "per-step work" in line]
+                note += "".join(f"; {part}" for part in said[-1].split("; ")[1:]) if said else ""
+            for checkpoints in (tmp / "runs").glob(f"*{arm.recipe['name']}/checkpoints"):
+                shutil.rmtree(checkpoints)  # 15.6 GB each for 1.3b: a few arms' would fill the disk
+        host = sampler.stop()
         bare_tps = tps if arm.recipe is None else bare_tps
+        bare_loop = loop if arm.recipe is None else bare_loop
         took += [time.monotonic() - arm_began] if not note.startswith("skipped") else []
         cells = [
             arm.name,
             f"{tps:,.0f}" if tps else "",
             f"{tps / bare_tps:.3f}" if tps and bare_tps else "",
+            f"{loop:,.0f}" if loop else "",
+            f"{loop / bare_loop:.3f}" if loop and bare_loop else "",
             f"{tps * flops / (peak_tflops * 1e12):.1%}" if tps else "",
             f"{peak / 2**30:.1f}" if peak else "",
             f"{gb * 1e9 / 2**30:.1f}" + ("" if fits else " (no fit)"),
             f"{gb * 1e9 / peak - 1:+.0%}" if peak else "",
+            f"{host / 2**30:.1f}" if host is not None and not note.startswith("skipped") else "",
+            f"{host_gb * 1e9 / 2**30:.1f}",
             note,
         ]
         table.append(cells)
@@ -299,7 +384,10 @@ def main() -> None:
     markdown = render(header, table)
     print(markdown)
     if args.write != "-":
-        command = "python3 benchmarks/gpu_mfu.py" + (" --cpu-check" if args.cpu_check else "")
+        given = sys.argv[1:]
+        cut = [i for i, a in enumerate(given) if a == "--write" or a.startswith("--write=")]
+        given = given[: cut[0]] + given[cut[0] + (1 if "=" in given[cut[0]] else 2) :] if cut else given
+        command = " ".join(["python3 benchmarks/gpu_mfu.py", *given])  # as run, less where it wrote
         write_section(Path(args.write), device, precision, args, mb, command, markdown, time.monotonic() - began)
         print(f"written into {args.write} ({SECTION})")
 
