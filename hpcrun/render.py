@@ -120,4 +120,5 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         starts_dir=rundir.STARTS,
         step_grace_s=STEP_GRACE_S,
         srun_ended=slurm.SRUN_ENDED,
+        probe_s=slurm.PROBE_S,
     )

@@ -263,14 +263,11 @@ def my_allocations() -> list[str]:
     return ["squeue", "-h", "-a", "-u", user(), "-o", "%A"]  # -a: hidden partitions' jobs too
 
 
-def probe_node(node: str) -> list[str]:
-    """A step of one task on `node` inside the current job (beside the step running this, hence
-    --overlap): it ends in milliseconds on a live node; a lost node's slurmd never answers."""
-    return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"]
-
-
 # The batch script's word, in srun's messages, when it ended an srun whose lost tasks never reported
 SRUN_ENDED = "[hpcrun] srun ended by the batch script"
+# How long the batch script's probe of a node (a step of `true`) and of the controller may take (a live one:
+# milliseconds)
+PROBE_S = 5
 
 
 def node_states(nodes: list[str]) -> list[str]:

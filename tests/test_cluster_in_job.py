@@ -49,8 +49,16 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT)
 
 
-def submit(tmp: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
-    site = site_copy(tmp, "testcluster")
+# a container with no SLURM clients (tests/cluster/noslurm/apptainer): the ranks and the failure step run there
+NO_SLURM_CONTAINER = {
+    "setup": [f"export PATH={ROOT / 'tests' / 'cluster' / 'noslurm'}:$PATH"],
+    "container": {"runtime": "apptainer", "image": "/images/without-slurm.sif"},
+    "python": sys.executable,
+}
+
+
+def submit(tmp: Path, name: str, environment: dict[str, tp.Any] | None = None, **extra: tp.Any) -> tuple[Path, str]:
+    site = site_copy(tmp, "testcluster", **({"environment": environment} if environment else {}))
     fields = {"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_BY_TWO, **extra}
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(recipe(tmp, name, **fields))))
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
@@ -234,14 +242,18 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     """`resources.spare_nodes: 1`: every process of the second training node killed (slurmd
     too), its node-local snapshots with it: the job goes on on the spare without a requeue, from
     the replica of the lost node's snapshot the first node holds (newer than the disk
-    checkpoint), the lost node is recorded, and the weights are those of an uninterrupted run."""
+    checkpoint), the lost node is recorded, and the weights are those of an uninterrupted run.
+    The ranks and the failure step run in a container without SLURM's clients: the batch shell
+    probes the nodes and names the job's nodes for them."""
     spare = pool.spare_node()
     assert spare, f"no spare node in partition {pool.partition('spare')} (tests/cluster/testcluster.sh up)"
     resources = {**TWO_BY_TWO, "spare_nodes": 1, "partition": pool.partition("spare")}
     run_dir, job = submit(
-        tmp_path, "in-job-spare", resources=resources, training={**TRAINING, "log_interval": 1},
-        checkpoint={**CHECKPOINT, "memory_interval": 2},
+        tmp_path, "in-job-spare", environment=NO_SLURM_CONTAINER, resources=resources,
+        training={**TRAINING, "log_interval": 1}, checkpoint={**CHECKPOINT, "memory_interval": 2},
     )
+    script = (run_dir / "script.sh").read_text()
+    assert "apptainer exec /images/without-slurm.sif" in script, script
     wait_checkpoint(run_dir)  # step 10 on disk
     first, second = faults.NODES
     _, node = faults.rank_pid(job, 3, attempt=0)

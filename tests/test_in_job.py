@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from hpcrun import slurm
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import Recipe
-from hpcrun.runtime.nodes import restart_nodes
+from hpcrun.runtime.nodes import Probed, probed_nodes, restart_nodes
 from hpcrun.site import load_site
 from tests.helpers import ROOT, cli, load_yaml, write_yaml
 
@@ -30,6 +31,25 @@ def test_a_lost_node_is_replaced_by_a_spare_in_place() -> None:
     assert restart_nodes(two, {}, ["n1", "n2"], alloc, ["n1"]) == ["n2", "n3"]
     assert restart_nodes(two, {"excluded_nodes": ["n2"]}, ["n1", "n2"], alloc, []) == ["n1", "n3"]
     assert restart_nodes(two, {"failed_nodes": ["n3"]}, ["n1", "n2"], alloc, ["n2"]) is None  # none left
+
+
+def test_probes_tell_a_lost_node_from_a_busy_controller(tmp_path: Path) -> None:
+    """The batch script's probes (templates/sbatch.sh.j2): a node that ran no step while the
+    controller answered is lost; with the controller silent too, it is only not to be restarted
+    on; a probe that could not run (no srun: 127) or left no line says nothing."""
+    ended = f"srun: error: node2: task 2: Killed\n{slurm.SRUN_ENDED}: it outlived its failed task by 10 s\n"
+    probes = tmp_path / "probes"
+    nodes = ["node1", "node2"]
+    probes.write_text("node node2 124\nnode node1 0\ncontroller - 0\n")
+    assert probed_nodes(nodes, ended, probes) == Probed(["node2"], [])
+    probes.write_text("node node1 124\nnode node2 124\ncontroller - 124\n")
+    assert probed_nodes(nodes, ended, probes) == Probed([], ["node1", "node2"])
+    probes.write_text("node node1 127\nnode node2 1\ncontroller - 0\n")  # srun failed at once on a DOWN node
+    assert probed_nodes(nodes, ended, probes) == Probed(["node2"], [])
+    probes.write_text("node node1 0\ncontroller - 0\n")  # node2's probe was cut off before its line
+    assert probed_nodes(nodes, ended, probes) == Probed([], [])
+    assert probed_nodes(nodes, "srun: error: node2: task 2: Exited with exit code 1\n", probes) == Probed([], [])
+    assert probed_nodes(nodes, ended, tmp_path / "none") == Probed([], [])
 
 
 def test_spares_are_allocated_and_the_job_outlives_a_lost_node(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import typing as tp
+from pathlib import Path
 
 from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
@@ -28,7 +29,7 @@ from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import RunDir, newest_checkpoint, read_json, write_json
 from hpcrun.runtime import heartbeat
 from hpcrun.runtime.cause import Failure, first_failure, step_message
-from hpcrun.runtime.nodes import exclusions, hostnames, lost_step_nodes, partition_size, restart_nodes
+from hpcrun.runtime.nodes import exclusions, partition_size, probed_nodes, restart_nodes
 from hpcrun.runtime.requeue import REQUEUEING, requeue
 from hpcrun.runtime.row import plan_row
 
@@ -137,17 +138,24 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
     next_file = os.environ.get("HPCRUN_NEXT_NODES")
     may_restart = bool(next_file) and in_job < spec.recipe.fault.restarts_in_job
-    try:  # SLURM's tools may not answer: the attempt is recorded all the same
-        lost = lost_step_nodes(step_nodes, srun_stderr)  # also for a requeue: the next start excludes it
-        allocated = (
-            hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if may_restart and spec.spare_nodes else step_nodes
-        )
-        room = partition_size(spec.partition) if lost and spec.recipe.fault.exclude_failed_nodes else 0
-    except HpcrunError as exc:
-        print(f"[hpcrun] looking for lost nodes: {exc.format_message()}", file=sys.stderr)
-        lost, allocated, room = [], step_nodes, 0
+    probes = os.environ.get("HPCRUN_PROBES")
+    probed = probed_nodes(step_nodes, srun_stderr, Path(probes) if probes else None)
+    lost = probed.lost  # also for a requeue: the next start excludes them
+    # the batch script's expansion of the job's node list: the spares are the ones not in the step
+    allocated = [n for n in os.environ.get("HPCRUN_JOB_NODES", "").split(",") if n] or step_nodes
+    room = 0
+    if lost and spec.recipe.fault.exclude_failed_nodes:
+        try:  # SLURM's tools may not answer (or be there): the attempt is recorded all the same
+            room = partition_size(spec.partition)
+        except HpcrunError as exc:
+            print(f"[hpcrun] excluding the lost nodes: {exc.format_message()}", file=sys.stderr)
     if lost:
         failure = dataclasses.replace(failure, what=f"{failure.what}; node lost: {','.join(lost)}")
+    if probed.silent:
+        failure = dataclasses.replace(
+            failure, what=f"{failure.what}; no answer from {','.join(probed.silent)} (nor from SLURM's controller: "
+            "not counted lost)"
+        )
     decided: dict[str, tp.Any] = {}
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
@@ -163,7 +171,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         if lost:
             long["failed_nodes"] = sorted(set(state.get("failed_nodes") or []) | set(lost))
             long["excluded_nodes"] = exclusions(state, lost, room, spec.nodes)
-        nodes = restart_nodes(spec, state, step_nodes, allocated, lost) if may_restart and not final else None
+        avoid = lost + probed.silent
+        nodes = restart_nodes(spec, state, step_nodes, allocated, avoid) if may_restart and not final else None
         if final:
             reason += "; the call's own error, its result: not run again"
         elif signature == previous:

@@ -11,44 +11,57 @@ Runs on the batch node after srun too: imports no torch.
 
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
 import datetime as dt
 import typing as tp
+from pathlib import Path
 
 from hpcrun import jobstate, slurm
-from hpcrun.errors import HpcrunError, ToolError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir
 from hpcrun.runtime.requeue import sacct_attempts
 from hpcrun.runtime.row import plan_row
 
-# how long a probe step may take to answer before its node counts as lost (a live one: milliseconds)
-PROBE_S = 5.0
+
+@dataclasses.dataclass(frozen=True)
+class Probed:
+    """The batch script's probes of a step it had to end (its lost tasks never reported)."""
+
+    lost: list[str]
+    """Nodes that ran no probe step while SLURM's controller answered: lost."""
+    silent: list[str]
+    """Nodes that ran none while the controller did not answer either (a busy slurmctld): not known
+    lost, so not recorded as failed, but no restart inside the job goes there."""
 
 
-def lost_step_nodes(step_nodes: list[str], srun_stderr: str) -> list[str]:
-    """The nodes of a step the batch script had to end (its lost tasks never reported) that do not
-    answer a probe step now: lost. A probe ends in milliseconds on a live node."""
-    if slurm.SRUN_ENDED not in srun_stderr:
-        return []
-
-    def dead(node: str) -> bool:
-        try:
-            return slurm.run(slurm.probe_node(node), timeout=PROBE_S).returncode != 0
-        except ToolError:  # srun itself missing here: nothing is known of the node
-            return False
-        except HpcrunError:  # no answer within PROBE_S: what a lost node's slurmd gives
-            return True
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(step_nodes) or 1)) as pool:
-        return [n for n, gone in zip(step_nodes, pool.map(dead, step_nodes)) if gone]
+def probed_nodes(step_nodes: list[str], srun_stderr: str, probes: Path | None) -> Probed:
+    """What the batch script's probes (the file `probes`: `node NAME STATUS` per node and
+    `controller - STATUS`, each the exit status of its probe under `timeout`) say of the step's
+    nodes. They run in the batch shell, beside SLURM's clients, as the failure step may run in a
+    container without them. A probe that could not run (126, 127) or left no line says nothing."""
+    if slurm.SRUN_ENDED not in srun_stderr or probes is None:
+        return Probed([], [])
+    try:
+        text = probes.read_text()
+    except FileNotFoundError:
+        return Probed([], [])
+    statuses = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[2].isdigit():
+            statuses[(words[0], words[1])] = int(words[2])
+    unanswered = [n for n in step_nodes if statuses.get(("node", n), 0) not in (0, 126, 127)]
+    if statuses.get(("controller", "-")) == 0:
+        return Probed(unanswered, [])
+    return Probed([], unanswered)
 
 
 def restart_nodes(spec: RunSpec, state: dict[str, tp.Any], step_nodes: list[str], allocated: list[str],
-                  lost: list[str]) -> list[str] | None:
-    """The nodes of the next start inside the job: the step's own in their order, less the lost and
-    excluded ones, topped up from the job's other nodes (the hot spares); None when too few are left."""
-    avoid = set(lost) | set(state.get("excluded_nodes") or []) | set(state.get("failed_nodes") or [])
+                  avoid_now: list[str]) -> list[str] | None:
+    """The nodes of the next start inside the job: the step's own in their order, less those to
+    avoid now (lost, silent) and the excluded ones, topped up from the job's other nodes (the hot
+    spares); None when too few are left."""
+    avoid = set(avoid_now) | set(state.get("excluded_nodes") or []) | set(state.get("failed_nodes") or [])
     keep = [n for n in step_nodes if n not in avoid]
     spares = [n for n in allocated if n not in avoid and n not in keep]
     chosen = (keep + spares)[: spec.nodes]

@@ -39,7 +39,7 @@ run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 # (SLURM_JOB_NUM_NODES counts a node SLURM has since dropped, and srun would refuse the count).
 srun_stderr=$(mktemp)
 node_dirs=()
-trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending"
+trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"
   held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
   count=$(scontrol show hostnames "$held" | wc -l)
   for dir in "${node_dirs[@]}"; do
@@ -79,7 +79,7 @@ while :; do
   # (the last one's may linger in TIME_WAIT)
   export MASTER_ADDR="${nodes%%,*}"
   export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 997 * HPCRUN_ATTEMPT) % 12000))
-  rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending"
+  rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending" "$srun_stderr.probes"
   : >"$srun_stderr"
   trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
   trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
@@ -126,9 +126,22 @@ while :; do
   # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
   trap '' USR2 TERM
   [ "$step_status" -ne 0 ] || break
+  if [ -e "$srun_stderr.ending" ]; then
+    # The step's nodes probed here, beside SLURM's clients (the ranks' container may have none):
+    # a live node runs a step of `true` at once, a lost one never; a controller that does not
+    # answer either tells a busy slurmctld from lost nodes (hpcrun.runtime.nodes reads the file)
+    ( set +e  # a probe's failure is its answer
+      for node in ${nodes//,/ }; do
+        ( timeout 5 srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" true </dev/null >/dev/null 2>&1
+          echo "node $node $?" >>"$srun_stderr.probes" ) &
+      done
+      timeout 5 scontrol ping </dev/null >/dev/null 2>&1; echo "controller - $?" >>"$srun_stderr.probes"
+      wait ) 3>&-
+  fi
   # one task on this node, inside the same container as the ranks: the interpreter named by
-  # the site exists there, and so does hpcrun
-  HPCRUN_STEP_NODES=$nodes HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
+  # the site exists there, and so does hpcrun; the job's nodes, spares included, as SLURM spells them
+  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -) \
+  HPCRUN_PROBES="$srun_stderr.probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
     python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
