@@ -40,6 +40,7 @@ import datetime as dt
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,7 +126,8 @@ def bare(out: Path, model: str, steps: int, warmup: int, mb: int, seq: int, prec
         times.append(ends[-1] - start)
     timed = times[warmup:]
     peak = peak_memory_bytes(device)  # as hpcrun's rows measure it
-    loop = mb * seq * (steps - 1 - warmup) / (ends[steps - 2] - ends[warmup - 1])  # as loop_tokens_per_s
+    began = ends[warmup - 1] if warmup else ends[0] - times[0]  # as loop_tokens_per_s, from the loop's start
+    loop = mb * seq * (steps - 1 - warmup) / (ends[steps - 2] - began) if steps - 1 > warmup else None
     out.write_text(json.dumps({"tokens_per_s": mb * seq * len(timed) / sum(timed), "peak": peak, "loop": loop}))
     dist.destroy_process_group()
 
@@ -329,7 +331,7 @@ def main() -> None:
             done = run(call, left)
             if out.exists():
                 measured = json.loads(out.read_text())
-                tps, peak, loop = measured["tokens_per_s"], measured["peak"], measured["loop"]
+                tps, peak, loop = measured["tokens_per_s"], measured["peak"], measured.get("loop")
             else:
                 note = f"failed: {done}"
         else:
@@ -387,7 +389,7 @@ def main() -> None:
         given = sys.argv[1:]
         cut = [i for i, a in enumerate(given) if a == "--write" or a.startswith("--write=")]
         given = given[: cut[0]] + given[cut[0] + (1 if "=" in given[cut[0]] else 2) :] if cut else given
-        command = " ".join(["python3 benchmarks/gpu_mfu.py", *given])  # as run, less where it wrote
+        command = shlex.join(["python3", "benchmarks/gpu_mfu.py", *given])  # as run, less where it wrote
         write_section(Path(args.write), device, precision, args, mb, command, markdown, time.monotonic() - began)
         print(f"written into {args.write} ({SECTION})")
 
@@ -426,7 +428,10 @@ def write_section(
         f"90% of the GPU unless `--micro-batch`), {args.steps} steps of which {args.warmup} warm-up, one GPU. "
         f"Planned: the planner's GPU estimate for the arm's strategy (DDP's for the bare loop); peak: "
         f"`peak_memory_bytes` (`torch.cuda.max_memory_allocated`). MFU: model FLOPs (6N + 12·L·h·s per token) "
-        f"over the dense bf16 peak.\n\n"
+        f"over the dense bf16 peak. Loop tokens/s: the wall clock from the warm-up's end to the second-last "
+        f"step (in-run saves in, the final save out); host GiB: the node's peak use above its use before the "
+        f"arm, beside the planner's host estimate; the note: the row's stalls and rank 0's account of its "
+        f"saves.\n\n"
         f"{table}\n\n"
     )
     path.write_text(text[:start] + body + text[end:])

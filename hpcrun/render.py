@@ -121,4 +121,6 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         step_grace_s=STEP_GRACE_S,
         srun_ended=slurm.SRUN_ENDED,
         probe_s=slurm.PROBE_S,
+        proxied=slurm.PROXIED,
+        tool_timeout_s=slurm.TIMEOUT_S,
     )

@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 import typing as tp
 from pathlib import Path
 
@@ -21,20 +22,64 @@ from hpcrun.errors import HpcrunError, SubmissionError, ToolError
 TIMEOUT_S = 60
 
 
+# Set by the batch script of a job whose ranks run in a container: a directory where they ask it
+# to run the SLURM tools the container lacks (`through_batch_script`)
+PROXY_ENV = "HPCRUN_SLURM_PROXY"
+PROXIED = ("scontrol", "sacct", "sinfo", "squeue")  # the tools the batch script runs for them (sbatch.sh.j2)
+
+
 def run(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """Run a SLURM tool (within `timeout`, TIMEOUT_S by default); the caller reads its return
-    code and output. A tool that cannot be started or does not answer is one line naming it."""
+    code and output. A tool that cannot be started or does not answer is one line naming it. A
+    tool missing here (not found, or a shell's 127) in a container's job goes to the batch script."""
     limit = TIMEOUT_S if timeout is None else timeout
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except FileNotFoundError as exc:
-        raise ToolError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
+        asked = through_batch_script(cmd, limit)
+        if asked is None:
+            raise ToolError(f"{cmd[0]} is not on PATH: this needs a SLURM login node") from exc
+        return asked
     except PermissionError as exc:
         raise ToolError(f"{cmd[0]} is not executable ({_where(cmd[0])}): permission denied") from exc
     except OSError as exc:  # e.g. a wrapper script without its #! line (ENOEXEC)
         raise ToolError(f"{cmd[0]} could not be started ({_where(cmd[0])}): {exc.strerror or exc}") from exc
     except subprocess.TimeoutExpired as exc:
         raise HpcrunError(f"{cmd[0]} did not answer within {limit:g} s: is slurmctld reachable?") from exc
+    if out.returncode == 127 and not out.stdout:  # a shell's "not found": a wrapper without its tool
+        asked = through_batch_script(cmd, limit)
+        if asked is None:
+            said = out.stderr.strip().splitlines()
+            raise ToolError(f"{cmd[0]} was not found ({said[-1] if said else 'exit status 127'})")
+        return asked
+    return out
+
+
+def through_batch_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+    """`cmd` run by the job's batch script (outside the container, beside SLURM's clients), when it
+    offers to (PROXY_ENV) and `cmd` is one of PROXIED; None otherwise. A request is one file of
+    the words, NUL-separated, renamed into place; the answer is the tool's output and error, then
+    its exit status, written last."""
+    directory = os.environ.get(PROXY_ENV)
+    if not directory or os.path.basename(cmd[0]) not in PROXIED:
+        return None
+    base = Path(directory) / f"{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}"
+    partial, request, status = (base.with_name(base.name + end) for end in (".part", ".req", ".rc"))
+    partial.write_bytes(b"".join(w.encode() + b"\0" for w in [os.path.basename(cmd[0]), *cmd[1:]]))
+    os.replace(partial, request)
+    deadline = time.monotonic() + timeout + 10  # the script's own limit, and its polling
+    while not status.exists():
+        if time.monotonic() > deadline:
+            request.unlink(missing_ok=True)
+            raise HpcrunError(f"{cmd[0]}, asked of the batch script: no answer within {timeout + 10:g} s")
+        time.sleep(0.1)
+    answer = [base.with_name(base.name + end) for end in (".out", ".err", ".rc")]
+    try:
+        out, err, code = (path.read_text(errors="replace") for path in answer)
+    finally:
+        for path in answer:
+            path.unlink(missing_ok=True)
+    return subprocess.CompletedProcess(cmd, int(code.strip() or 1), out, err)
 
 
 def _where(tool: str) -> str:

@@ -28,6 +28,14 @@ STRATEGIES: dict[str, dict[str, tp.Any]] = {
 }
 
 
+# a site's environment whose container has no SLURM clients (tests/cluster/noslurm/apptainer), as many have none
+NO_SLURM_CONTAINER = {
+    "setup": [f"export PATH={ROOT / 'tests' / 'cluster' / 'noslurm'}:$PATH"],
+    "container": {"runtime": "apptainer", "image": "/images/without-slurm.sif"},
+    "python": sys.executable,
+}
+
+
 def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
     """`sites/<base>.yaml` with runs and results under `tmp` (and any top-level changes)."""
     data = yaml.safe_load((ROOT / "sites" / f"{base}.yaml").read_text())

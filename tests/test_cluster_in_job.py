@@ -24,6 +24,7 @@ from tests import faults, pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
 from tests.runs import (
+    NO_SLURM_CONTAINER,
     STRATEGIES,
     baseline_weights,
     hpcrun,
@@ -47,14 +48,6 @@ LOCAL_SCRATCH = Path(yaml.safe_load((ROOT / "sites" / "testcluster.yaml").read_t
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run at world size 4 (shared with tests/test_cluster_faults.py's)."""
     return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT)
-
-
-# a container with no SLURM clients (tests/cluster/noslurm/apptainer): the ranks and the failure step run there
-NO_SLURM_CONTAINER = {
-    "setup": [f"export PATH={ROOT / 'tests' / 'cluster' / 'noslurm'}:$PATH"],
-    "container": {"runtime": "apptainer", "image": "/images/without-slurm.sif"},
-    "python": sys.executable,
-}
 
 
 def submit(tmp: Path, name: str, environment: dict[str, tp.Any] | None = None, **extra: tp.Any) -> tuple[Path, str]:
@@ -275,7 +268,9 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     # one job start: SLURM records dropping the lost node as a RESIZING record of it, if it
     # drops the node before the job ends (SlurmdTimeout); never a NODE_FAIL, FAILED or REQUEUED
     assert records(job) in (["RESIZING", "COMPLETED"], ["COMPLETED"]), records(job)
+    # recorded and excluded: the partition's size came from the batch script (no scontrol in the container)
     assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
+    assert state(run_dir).get("excluded_nodes") == [second], state(run_dir)
     failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
     assert f"node lost: {second}" in failed["reason"], failed["reason"]
     # ranks 2-3 start on the spare, whose files of theirs are the copies the first node held,

@@ -16,7 +16,18 @@ import pytest
 from tests import pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, run_dir_of, site_copy, state, status, wait_for
+from tests.runs import (
+    NO_SLURM_CONTAINER,
+    baseline_weights,
+    hpcrun,
+    local_baseline,
+    recipe,
+    run_dir_of,
+    site_copy,
+    state,
+    status,
+    wait_for,
+)
 from tests.test_cluster_faults import CHECKPOINT, TRAINING  # one uninterrupted run serves both files
 from tests.test_fault_tolerance import checkpoint_after
 
@@ -91,8 +102,8 @@ def wait_checkpoint(run_dir: Path, timeout: float = 180) -> None:
     assert any((run_dir / "checkpoints").glob("step-*")), "no checkpoint appeared"
 
 
-def submit(shared: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:
-    site = site_copy(shared, "testcluster")
+def submit(shared: Path, name: str, environment: dict[str, tp.Any] | None = None, **extra: tp.Any) -> tuple[Path, str]:
+    site = site_copy(shared, "testcluster", **({"environment": environment} if environment else {}))
     rec = recipe(
         shared, name, **{"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_NODES, **extra}
     )
@@ -157,9 +168,11 @@ def test_usr2_to_the_batch_shell_requeues_once_and_completes_bit_identical(share
     `--signal=B:USR2@N` or a wrapper would): the shell passes the stop to the ranks and waits, so
     the job is requeued once, never FAILED, and completes with an uninterrupted run's weights.
     state.json says `requeued` only once SLURM counts the requeue. (Before the fix: FAILED, batch
-    step 0:12, while state.json said `requeued`.)"""
+    step 0:12, while state.json said `requeued`.) The ranks run in a container without SLURM's
+    clients: rank 0's requeue goes through the batch script's tool loop."""
     # 0.8 s per step: >= 16 s of training after the first checkpoint (step 10) for the stop
-    run_dir, job = submit(shared, "usr2-batch-shell", job=entrypoint_job(str(ROOT), 0.8))
+    run_dir, job = submit(shared, "usr2-batch-shell", NO_SLURM_CONTAINER, job=entrypoint_job(str(ROOT), 0.8))
+    assert "apptainer exec /images/without-slurm.sif" in (run_dir / "script.sh").read_text()
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
     deadline = time.time() + 420

@@ -52,6 +52,39 @@ def test_probes_tell_a_lost_node_from_a_busy_controller(tmp_path: Path) -> None:
     assert probed_nodes(nodes, ended, tmp_path / "none") == Probed([], [])
 
 
+@pytest.mark.parametrize(("spares", "restarted"), [(1, "node1,node3"), (0, "node1,node2")])
+def test_silent_nodes_are_not_counted_lost(
+    spares: int, restarted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure step after probes that a busy controller left unanswered (its squeue silent
+    too): the silent node is neither recorded failed nor excluded, and the step starts again in
+    the job, on a spare where there is one, else on the same nodes (not a requeue)."""
+    from hpcrun.rundir import RunDir
+    from hpcrun.runtime.failure import record_failed_step
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    planned = spec(2, spares).model_copy(update={"results_dir": str(tmp_path / "results")})
+    run_dir.spec.write_text(planned.model_dump_json())
+    probes, next_nodes = tmp_path / "probes", tmp_path / "next"
+    probes.write_text("node node1 0\nnode node2 124\ncontroller - 124\n")
+    job_nodes = ["node1", "node2", "node3"][: 2 + spares]
+    for name, value in {
+        "SLURM_JOB_ID": "77", "HPCRUN_ATTEMPT": "0", "SLURM_RESTART_COUNT": "0", "HPCRUN_RESTARTS_IN_JOB": "0",
+        "HPCRUN_STEP_NODES": "node1,node2", "HPCRUN_JOB_NODES": ",".join(job_nodes), "HPCRUN_PARTITION_NODES": "3",
+        "HPCRUN_PROBES": str(probes), "HPCRUN_NEXT_NODES": str(next_nodes),
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    ended = f"srun: error: node2: task 2: Killed\n{slurm.SRUN_ENDED}: it outlived its failed task by 10 s\n"
+    reason = record_failed_step(run_dir, 1, ended)
+    assert reason and "no answer from node2 (nor from SLURM's controller: not counted lost)" in reason, reason
+    assert "node lost" not in reason and "restarting in the job" in reason, reason
+    assert next_nodes.read_text().strip() == restarted
+    state = run_dir.state()
+    assert not state.get("failed_nodes") and not state.get("excluded_nodes"), state
+
+
 def test_spares_are_allocated_and_the_job_outlives_a_lost_node(tmp_path: Path) -> None:
     data = load_yaml(ROOT / "jobs" / "quickstart.yaml")
     data["resources"].update(nodes=2, spare_nodes=1, partition="spare")

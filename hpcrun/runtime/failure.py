@@ -145,8 +145,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
     allocated = [n for n in os.environ.get("HPCRUN_JOB_NODES", "").split(",") if n] or step_nodes
     room = 0
     if lost and spec.recipe.fault.exclude_failed_nodes:
+        told = os.environ.get("HPCRUN_PARTITION_NODES", "")  # the batch script's word: this may be a container
         try:  # SLURM's tools may not answer (or be there): the attempt is recorded all the same
-            room = partition_size(spec.partition)
+            room = int(told) if told.isdigit() else partition_size(spec.partition)
         except HpcrunError as exc:
             print(f"[hpcrun] excluding the lost nodes: {exc.format_message()}", file=sys.stderr)
     if lost:
@@ -171,8 +172,10 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         if lost:
             long["failed_nodes"] = sorted(set(state.get("failed_nodes") or []) | set(lost))
             long["excluded_nodes"] = exclusions(state, lost, room, spec.nodes)
-        avoid = lost + probed.silent
-        nodes = restart_nodes(spec, state, step_nodes, allocated, avoid) if may_restart and not final else None
+        nodes = None
+        if may_restart and not final:  # silent nodes only where others can take their place: not a requeue
+            nodes = restart_nodes(spec, state, step_nodes, allocated, lost + probed.silent)
+            nodes = nodes or restart_nodes(spec, state, step_nodes, allocated, lost)
         if final:
             reason += "; the call's own error, its result: not run again"
         elif signature == previous:

@@ -31,12 +31,12 @@ class Probed:
     """Nodes that ran no probe step while SLURM's controller answered: lost."""
     silent: list[str]
     """Nodes that ran none while the controller did not answer either (a busy slurmctld): not known
-    lost, so not recorded as failed, but no restart inside the job goes there."""
+    lost, so not recorded as failed; a restart inside the job goes elsewhere where it can."""
 
 
 def probed_nodes(step_nodes: list[str], srun_stderr: str, probes: Path | None) -> Probed:
     """What the batch script's probes (the file `probes`: `node NAME STATUS` per node and
-    `controller - STATUS`, each the exit status of its probe under `timeout`) say of the step's
+    `controller - STATUS` (squeue of the job), each the exit status under `timeout`) say of the step's
     nodes. They run in the batch shell, beside SLURM's clients, as the failure step may run in a
     container without them. A probe that could not run (126, 127) or left no line says nothing."""
     if slurm.SRUN_ENDED not in srun_stderr or probes is None:

@@ -40,6 +40,7 @@ run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden
 srun_stderr=$(mktemp)
 node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"
+  kill "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"
   held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
   count=$(scontrol show hostnames "$held" | wc -l)
   for dir in "${node_dirs[@]}"; do
@@ -50,6 +51,32 @@ trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stde
 # In-memory snapshots (checkpoint.memory_interval), node-local
 # (hpcrun.rundir.snapshot_job_name: the ranks name it with the same values; a lost node's went with it)
 node_dirs+=(/dev/shm/"hpcrun-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}")
+
+# SLURM's tools for the ranks and the failure step, which run in the container and may find none
+# there (hpcrun.slurm.through_batch_script): each request a file of NUL-separated words, each answer
+# the tool's output, error and exit status (written last). It outlives a requeue's SIGTERM, as they do.
+export HPCRUN_SLURM_PROXY="$run_dir"/.slurm-tools/"$SLURM_JOB_ID"
+mkdir -p "$HPCRUN_SLURM_PROXY"
+( trap '' USR2 TERM
+  set +e
+  shopt -s nullglob
+  while :; do
+    for request in "$HPCRUN_SLURM_PROXY"/*.req; do
+      answer=${request%.req}
+      mapfile -d '' -t words <"$request"
+      rm -f "$request"
+      case ${words[0]} in
+        scontrol|sacct|sinfo|squeue)
+          timeout -k 2 60 "${words[@]}" </dev/null >"$answer.out" 2>"$answer.err"
+          echo $? >"$answer.rc.part" ;;
+        *) : >"$answer.out"; echo "not a SLURM tool the batch script runs: ${words[0]}" >"$answer.err"
+          echo 126 >"$answer.rc.part" ;;
+      esac
+      mv -f "$answer.rc.part" "$answer.rc"
+    done
+    sleep 0.2 </dev/null >/dev/null 2>&1
+  done ) 3>&- &
+slurm_tools=$!
 
 # One task per rank, each running hpcrun's entry point on the run directory (its ranks: srun's variables),
 # on the allocation's first nodes (1).
@@ -128,19 +155,23 @@ while :; do
   [ "$step_status" -ne 0 ] || break
   if [ -e "$srun_stderr.ending" ]; then
     # The step's nodes probed here, beside SLURM's clients (the ranks' container may have none):
-    # a live node runs a step of `true` at once, a lost one never; a controller that does not
-    # answer either tells a busy slurmctld from lost nodes (hpcrun.runtime.nodes reads the file)
+    # a live node runs a step of `true` at once, a lost one never (and srun, told to stop, waits for
+    # it: hence -k). A controller that does not answer for the job either tells a busy slurmctld
+    # from lost nodes (hpcrun.runtime.nodes reads the file). 16 probes at a time, as srun asks slurmctld.
     ( set +e  # a probe's failure is its answer
-      for node in ${nodes//,/ }; do
-        ( timeout 5 srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" true </dev/null >/dev/null 2>&1
-          echo "node $node $?" >>"$srun_stderr.probes" ) &
-      done
-      timeout 5 scontrol ping </dev/null >/dev/null 2>&1; echo "controller - $?" >>"$srun_stderr.probes"
-      wait ) 3>&-
+      printf '%s\n' ${nodes//,/ } | xargs -P 16 -I{} sh -c 'timeout -k 2 5 srun --overlap --nodes=1 \
+        --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
+      timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
+      echo "controller - $?" ) >>"$srun_stderr.probes" 3>&-
   fi
-  # one task on this node, inside the same container as the ranks: the interpreter named by
-  # the site exists there, and so does hpcrun; the job's nodes, spares included, as SLURM spells them
-  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -) \
+  # one task on this node, inside the same container as the ranks: the interpreter named by the
+  # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
+  # dropped node not) and its partition's size, for a container without SLURM's clients.
+  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
+  job_nodes=$(scontrol show hostnames "${held:-$SLURM_JOB_NODELIST}" 2>/dev/null | paste -sd, - || true)
+  partition_nodes=$(timeout 10 scontrol show partition "$SLURM_JOB_PARTITION" 2>/dev/null \
+    | grep -o 'TotalNodes=[0-9]*' | cut -d= -f2 || true)
+  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_PARTITION_NODES=$partition_nodes \
   HPCRUN_PROBES="$srun_stderr.probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
