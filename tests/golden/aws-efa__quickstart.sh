@@ -34,7 +34,7 @@ run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden
 srun_stderr=$(mktemp)
 node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"
-  kill "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"
+  kill -KILL "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"
   held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
   count=$(scontrol show hostnames "$held" | wc -l)
   for dir in "${node_dirs[@]}"; do

@@ -41,7 +41,7 @@ run_dir=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden
 srun_stderr=$(mktemp)
 node_dirs=()
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"
-  kill "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"' EXIT
+  kill -KILL "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"' EXIT
 
 # SLURM's tools for the ranks and the failure step, which run in the container and may find none
 # there (hpcrun.slurm.through_batch_script): each request a file of NUL-separated words, each answer
