@@ -3,6 +3,11 @@ script asks SLURM for with spares (the cluster tests: tests/test_cluster_in_job.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +57,24 @@ def test_probes_tell_a_lost_node_from_a_busy_controller(tmp_path: Path) -> None:
     assert probed_nodes(nodes, ended, tmp_path / "none") == Probed([], [])
 
 
+ENDED = f"srun: error: node2: task 2: Killed\n{slurm.SRUN_ENDED}: it outlived its failed task by 10 s\n"
+
+
+def failure_step(tmp: Path, spares: int, probes: str) -> tuple[Path, dict[str, str]]:
+    """A run directory whose 2-node step the batch script ended, and the failure step's variables
+    as the batch script sets them (the step's nodes probed as `probes` says)."""
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    planned = spec(2, spares).model_copy(update={"results_dir": str(tmp / "results")})
+    (run_dir / "runspec.json").write_text(planned.model_dump_json())
+    (tmp / "probes").write_text(probes)
+    return run_dir, {
+        "SLURM_JOB_ID": "77", "HPCRUN_ATTEMPT": "0", "SLURM_RESTART_COUNT": "0", "HPCRUN_RESTARTS_IN_JOB": "0",
+        "HPCRUN_STEP_NODES": "node1,node2", "HPCRUN_JOB_NODES": ",".join(["node1", "node2", "node3"][: 2 + spares]),
+        "HPCRUN_PARTITION_NODES": "3", "HPCRUN_PROBES": str(tmp / "probes"), "HPCRUN_NEXT_NODES": str(tmp / "next"),
+    }
+
+
 @pytest.mark.parametrize(("spares", "restarted"), [(1, "node1,node3"), (0, "node1,node2")])
 def test_silent_nodes_are_not_counted_lost(
     spares: int, restarted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -62,27 +85,55 @@ def test_silent_nodes_are_not_counted_lost(
     from hpcrun.rundir import RunDir
     from hpcrun.runtime.failure import record_failed_step
 
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.path.mkdir()
-    planned = spec(2, spares).model_copy(update={"results_dir": str(tmp_path / "results")})
-    run_dir.spec.write_text(planned.model_dump_json())
-    probes, next_nodes = tmp_path / "probes", tmp_path / "next"
-    probes.write_text("node node1 0\nnode node2 124\ncontroller - 124\n")
-    job_nodes = ["node1", "node2", "node3"][: 2 + spares]
-    for name, value in {
-        "SLURM_JOB_ID": "77", "HPCRUN_ATTEMPT": "0", "SLURM_RESTART_COUNT": "0", "HPCRUN_RESTARTS_IN_JOB": "0",
-        "HPCRUN_STEP_NODES": "node1,node2", "HPCRUN_JOB_NODES": ",".join(job_nodes), "HPCRUN_PARTITION_NODES": "3",
-        "HPCRUN_PROBES": str(probes), "HPCRUN_NEXT_NODES": str(next_nodes),
-    }.items():
+    path, env = failure_step(tmp_path, spares, "node node1 0\nnode node2 124\ncontroller - 124\n")
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
-    ended = f"srun: error: node2: task 2: Killed\n{slurm.SRUN_ENDED}: it outlived its failed task by 10 s\n"
-    reason = record_failed_step(run_dir, 1, ended)
+    run_dir = RunDir(path)
+    reason = record_failed_step(run_dir, 1, ENDED)
     assert reason and "no answer from node2 (nor from SLURM's controller: not counted lost)" in reason, reason
     assert "node lost" not in reason and "restarting in the job" in reason, reason
-    assert next_nodes.read_text().strip() == restarted
+    assert (tmp_path / "next").read_text().strip() == restarted
     state = run_dir.state()
     assert not state.get("failed_nodes") and not state.get("excluded_nodes"), state
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_a_stop_signal_to_the_failure_step_is_a_requeue_not_a_restart(tmp_path: Path) -> None:
+    """SLURM's USR2 ahead of the time limit reaches every step, the failure step too: it writes
+    the attempt's record all the same and asks for a requeue, not a restart inside the job (whose
+    ranks no stop would reach). Its requeue fails here: SLURM's tools are shadowed, as in a
+    container without them and no batch script to ask."""
+    from hpcrun.rundir import RunDir
+
+    path, env = failure_step(tmp_path, 1, "node node1 0\nnode node2 124\ncontroller - 0\n")
+    noslurm = ROOT / "tests" / "cluster" / "noslurm" / "bin"
+    env = {**os.environ, **env, "PATH": f"{noslurm}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    env.pop("SLURM_ARRAY_JOB_ID", None)
+    step = subprocess.Popen(
+        [sys.executable, "-m", "hpcrun.runtime.failure", str(path), "1"], env=env,
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert step.stdin is not None
+    # it reads srun's messages from stdin first: the signal comes while it does, once it catches USR2
+    deadline = time.time() + 60
+    while time.time() < deadline and not catches(step.pid, signal.SIGUSR2):
+        time.sleep(0.05)
+    step.send_signal(signal.SIGUSR2)
+    _, err = step.communicate(ENDED, timeout=60)
+    assert step.returncode == 1, (step.returncode, err)  # the requeue could not be asked for, said in one line
+    assert "recording the failed attempt: scontrol was not found" in err, err
+    state = RunDir(path).state()
+    assert "SIGUSR2 during the failure step: not restarted in the job" in state["reason"], state
+    said = "; not requeued: scontrol was not found (scontrol: command not found (in the container))"
+    assert state["status"] == "failed" and state["reason"].endswith(said), state
+    assert "node lost: node2" in state["reason"] and not (tmp_path / "next").exists(), state
 
 
 def test_spares_are_allocated_and_the_job_outlives_a_lost_node(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import signal
 import sys
 import typing as tp
 from pathlib import Path
@@ -39,6 +40,23 @@ RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
 RESTARTING = "restarting in the job"
 # a rank's watchdog's word (hpcrun.runtime.watchdog); the writer adds which ranks went silent
 HUNG = "hung (no step progress for fault.hang_timeout_s)"
+
+
+class Stop:
+    """A stop signal to the failure step itself: SLURM signals every step of the job ahead of its
+    time limit or a preemption (`--signal`, scancel), this one too, once. Caught rather than fatal
+    (the attempt's record is written all the same), it turns a restart inside the job into a
+    requeue. A signal the batch shell gets after the step ended is not seen here (it ignores it)."""
+
+    def __init__(self) -> None:
+        self.came: str | None = None
+
+    def catch(self) -> None:
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._caught)
+
+    def _caught(self, signum: int, frame: tp.Any) -> None:
+        self.came = self.came or signal.Signals(signum).name
 
 
 def job_ids() -> tuple[str, int, int]:
@@ -113,10 +131,11 @@ def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int,
             write_outcome(path, ("error", f"another task's call raised: {error}"))
 
 
-def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> str | None:
+def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop: Stop | None = None) -> str | None:
     """The failed attempt's one results row and state, and the requeue when the cap allows and
-    the failure is not the previous attempt's again. Returns the reason (None: already recorded
-    by a rank, e.g. a stop for requeue or the cap)."""
+    the failure is not the previous attempt's again (nor a restart inside the job once `stop`
+    caught a signal). Returns the reason (None: already recorded by a rank, e.g. a stop for
+    requeue or the cap)."""
     from hpcrun.results import write_attempt
 
     spec = RunSpec.model_validate(read_json(run_dir.spec, None))
@@ -176,20 +195,24 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str) -> s
         if may_restart and not final:  # silent nodes only where others can take their place: not a requeue
             nodes = restart_nodes(spec, state, step_nodes, allocated, lost + probed.silent)
             nodes = nodes or restart_nodes(spec, state, step_nodes, allocated, lost)
+        stopped = stop.came if stop is not None else None
         if final:
             reason += "; the call's own error, its result: not run again"
         elif signature == previous:
             reason += "; the same failure as the previous attempt (same step, same error): not requeued"
-        elif nodes is not None:
+        elif nodes is not None and not stopped:
             decided["restart"] = nodes
             reason += f"; {RESTARTING} ({in_job + 1} of {spec.recipe.fault.restarts_in_job})"
             if set(nodes) - set(step_nodes):
                 reason += f" on {','.join(nodes)}"
-        elif slurm_requeues >= cap:
-            reason += f"; requeue cap reached ({cap} requeues)"
         else:
-            decided["requeue"] = True
-            reason += f"; {REQUEUEING}"  # until SLURM has (settle)
+            if nodes is not None:  # the job is to leave: a restart would run on with no stop coming
+                reason += f"; {stopped} during the failure step: not restarted in the job"
+            if slurm_requeues >= cap:
+                reason += f"; requeue cap reached ({cap} requeues)"
+            else:
+                decided["requeue"] = True
+                reason += f"; {REQUEUEING}"  # until SLURM has (settle)
         decided["reason"] = reason
         # the row before the state, so whoever reads "failed" finds it (see attempt.finish)
         row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
@@ -213,9 +236,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or not argv[1].isdigit():
         print("usage: python -m hpcrun.runtime.failure RUN_DIR STATUS < SRUN_STDERR", file=sys.stderr)
         return 2
+    stop = Stop()
+    stop.catch()
     srun_stderr = sys.stdin.buffer.read().decode(errors="replace")
     try:
-        reason = record_failed_step(RunDir(argv[0]), int(argv[1]), srun_stderr)
+        reason = record_failed_step(RunDir(argv[0]), int(argv[1]), srun_stderr, stop)
     except HpcrunError as exc:
         print(f"[hpcrun] recording the failed attempt: {exc.format_message()}", file=sys.stderr)
         return 1
