@@ -47,11 +47,7 @@ def run(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedPro
     except subprocess.TimeoutExpired as exc:
         raise HpcrunError(f"{cmd[0]} did not answer within {limit:g} s: is slurmctld reachable?") from exc
     if out.returncode == 127 and not out.stdout:  # a shell's "not found": a wrapper without its tool
-        asked = through_batch_script(cmd, limit)
-        if asked is None:
-            said = out.stderr.strip().splitlines()
-            raise ToolError(f"{cmd[0]} was not found ({said[-1] if said else 'exit status 127'})")
-        return asked
+        return through_batch_script(cmd, limit) or out
     return out
 
 
@@ -65,8 +61,11 @@ def through_batch_script(cmd: list[str], timeout: float) -> subprocess.Completed
         return None
     base = Path(directory) / f"{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}"
     partial, request, status = (base.with_name(base.name + end) for end in (".part", ".req", ".rc"))
-    partial.write_bytes(b"".join(w.encode() + b"\0" for w in [os.path.basename(cmd[0]), *cmd[1:]]))
-    os.replace(partial, request)
+    try:
+        partial.write_bytes(b"".join(w.encode() + b"\0" for w in [os.path.basename(cmd[0]), *cmd[1:]]))
+        os.replace(partial, request)
+    except OSError:  # no such directory: not this job's batch script (a variable inherited from another job)
+        return None
     deadline = time.monotonic() + timeout + 10  # the script's own limit, and its polling
     while not status.exists():
         if time.monotonic() > deadline:

@@ -51,6 +51,8 @@ def test_probes_tell_a_lost_node_from_a_busy_controller(tmp_path: Path) -> None:
     assert probed_nodes(nodes, ended, probes) == Probed([], ["node1", "node2"])
     probes.write_text("node node1 127\nnode node2 1\ncontroller - 0\n")  # srun failed at once on a DOWN node
     assert probed_nodes(nodes, ended, probes) == Probed(["node2"], [])
+    probes.write_text("node node1 0\nnode node2 143\ncontroller - 0\n")  # the probe itself stopped by a SIGTERM
+    assert probed_nodes(nodes, ended, probes) == Probed([], [])
     probes.write_text("node node1 0\ncontroller - 0\n")  # node2's probe was cut off before its line
     assert probed_nodes(nodes, ended, probes) == Probed([], [])
     assert probed_nodes(nodes, "srun: error: node2: task 2: Exited with exit code 1\n", probes) == Probed([], [])
@@ -128,10 +130,10 @@ def test_a_stop_signal_to_the_failure_step_is_a_requeue_not_a_restart(tmp_path: 
     step.send_signal(signal.SIGUSR2)
     _, err = step.communicate(ENDED, timeout=60)
     assert step.returncode == 1, (step.returncode, err)  # the requeue could not be asked for, said in one line
-    assert "recording the failed attempt: scontrol was not found" in err, err
+    assert "recording the failed attempt: scontrol show job 77 failed: scontrol: command not found" in err, err
     state = RunDir(path).state()
     assert "SIGUSR2 during the failure step: not restarted in the job" in state["reason"], state
-    said = "; not requeued: scontrol was not found (scontrol: command not found (in the container))"
+    said = "; not requeued: scontrol show job 77 failed: scontrol: command not found (in the container)"
     assert state["status"] == "failed" and state["reason"].endswith(said), state
     assert "node lost: node2" in state["reason"] and not (tmp_path / "next").exists(), state
 

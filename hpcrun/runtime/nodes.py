@@ -38,7 +38,7 @@ def probed_nodes(step_nodes: list[str], srun_stderr: str, probes: Path | None) -
     """What the batch script's probes (the file `probes`: `node NAME STATUS` per node and
     `controller - STATUS` (squeue of the job), each the exit status under `timeout`) say of the step's
     nodes. They run in the batch shell, beside SLURM's clients, as the failure step may run in a
-    container without them. A probe that could not run (126, 127) or left no line says nothing."""
+    container without them. A probe that could not run or was stopped, or left no line, says nothing."""
     if slurm.SRUN_ENDED not in srun_stderr or probes is None:
         return Probed([], [])
     try:
@@ -50,7 +50,8 @@ def probed_nodes(step_nodes: list[str], srun_stderr: str, probes: Path | None) -
         words = line.split()
         if len(words) == 3 and words[2].isdigit():
             statuses[(words[0], words[1])] = int(words[2])
-    unanswered = [n for n in step_nodes if statuses.get(("node", n), 0) not in (0, 126, 127)]
+    # 126, 127: no srun to run; 143: the probe itself was stopped (a preemption's SIGTERM): no word
+    unanswered = [n for n in step_nodes if statuses.get(("node", n), 0) not in (0, 126, 127, 143)]
     if statuses.get(("controller", "-")) == 0:
         return Probed(unanswered, [])
     return Probed([], unanswered)

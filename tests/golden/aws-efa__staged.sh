@@ -33,9 +33,15 @@ run_dir=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup
 # (SLURM_JOB_NUM_NODES counts a node SLURM has since dropped, and srun would refuse the count).
 srun_stderr=$(mktemp)
 node_dirs=()
+held_nodes() {  # the nodes SLURM says the job holds now; its start's list when SLURM does not answer
+  local held
+  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
+  echo "${held:-$SLURM_JOB_NODELIST}"
+}
+unset HPCRUN_SLURM_PROXY  # a job submitted from inside another job's container must not use its tool loop
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"
   kill -KILL "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"
-  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true); held=${held:-$SLURM_JOB_NODELIST}
+  held=$(held_nodes)
   count=$(scontrol show hostnames "$held" | wc -l)
   for dir in "${node_dirs[@]}"; do
     timeout 60 srun --overlap --nodelist="$held" --nodes="$count" --ntasks="$count" --ntasks-per-node=1 \
@@ -48,21 +54,28 @@ node_dirs+=(/dev/shm/"hpcrun-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}")
 
 # SLURM's tools for the ranks and the failure step, which run in the container and may find none
 # there (hpcrun.slurm.through_batch_script): each request a file of NUL-separated words, each answer
-# the tool's output, error and exit status (written last). It outlives a requeue's SIGTERM, as they do.
+# the tool's output, error and exit status (written last). It and the tools it runs ignore a
+# requeue's SIGTERM, as requests made during a requeue do (hence no `timeout`, which would not).
 export HPCRUN_SLURM_PROXY="$run_dir"/.slurm-tools/"$SLURM_JOB_ID"
-mkdir -p "$HPCRUN_SLURM_PROXY"
+mkdir -p "${HPCRUN_SLURM_PROXY%/*}" && mkdir -m 700 "$HPCRUN_SLURM_PROXY"
 ( trap '' USR2 TERM
   set +e
   shopt -s nullglob
   while :; do
     for request in "$HPCRUN_SLURM_PROXY"/*.req; do
       answer=${request%.req}
-      mapfile -d '' -t words <"$request"
+      words=()
+      mapfile -d '' -t words <"$request" 2>/dev/null || continue  # its asker gave up and took it back
       rm -f "$request"
       case ${words[0]} in
         scontrol|sacct|sinfo|squeue)
-          timeout -k 2 60 "${words[@]}" </dev/null >"$answer.out" 2>"$answer.err"
-          echo $? >"$answer.rc.part" ;;
+          "${words[@]}" </dev/null >"$answer.out" 2>"$answer.err" &
+          tool=$!
+          ( sleep 60; kill -KILL "$tool" ) </dev/null >/dev/null 2>&1 &
+          guard=$!
+          wait "$tool"
+          echo $? >"$answer.rc.part"
+          kill -KILL "$guard" 2>/dev/null ;;
         *) : >"$answer.out"; echo "not a SLURM tool the batch script runs: ${words[0]}" >"$answer.err"
           echo 126 >"$answer.rc.part" ;;
       esac
@@ -161,8 +174,7 @@ while :; do
   # one task on this node, inside the same container as the ranks: the interpreter named by the
   # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
   # dropped node not) and its partition's size, for a container without SLURM's clients.
-  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
-  job_nodes=$(scontrol show hostnames "${held:-$SLURM_JOB_NODELIST}" 2>/dev/null | paste -sd, - || true)
+  job_nodes=$(scontrol show hostnames "$(held_nodes)" 2>/dev/null | paste -sd, - || true)
   partition_nodes=$(timeout 10 scontrol show partition "$SLURM_JOB_PARTITION" 2>/dev/null \
     | grep -o 'TotalNodes=[0-9]*' | cut -d= -f2 || true)
   HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_PARTITION_NODES=$partition_nodes \

@@ -30,6 +30,12 @@ run_dir=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden
 # (SLURM_JOB_NUM_NODES counts a node SLURM has since dropped, and srun would refuse the count).
 srun_stderr=$(mktemp)
 node_dirs=()
+held_nodes() {  # the nodes SLURM says the job holds now; its start's list when SLURM does not answer
+  local held
+  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
+  echo "${held:-$SLURM_JOB_NODELIST}"
+}
+unset HPCRUN_SLURM_PROXY  # a job submitted from inside another job's container must not use its tool loop
 trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"' EXIT
 
 
@@ -121,8 +127,7 @@ while :; do
   # one task on this node, inside the same container as the ranks: the interpreter named by the
   # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
   # dropped node not) and its partition's size, for a container without SLURM's clients.
-  held=$(timeout 10 squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
-  job_nodes=$(scontrol show hostnames "${held:-$SLURM_JOB_NODELIST}" 2>/dev/null | paste -sd, - || true)
+  job_nodes=$(scontrol show hostnames "$(held_nodes)" 2>/dev/null | paste -sd, - || true)
   partition_nodes=$(timeout 10 scontrol show partition "$SLURM_JOB_PARTITION" 2>/dev/null \
     | grep -o 'TotalNodes=[0-9]*' | cut -d= -f2 || true)
   HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_PARTITION_NODES=$partition_nodes \
