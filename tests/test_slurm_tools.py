@@ -36,6 +36,9 @@ def test_a_tool_missing_in_the_container_is_run_by_the_batch_script(tmp_path: Pa
     run_dir, host = tmp_path / "run", tmp_path / "host"
     run_dir.mkdir()
     host.mkdir()
+    stale = run_dir / ".slurm-tools" / "42-0"  # a start the requeue's SIGKILL left behind: its EXIT trap never ran
+    stale.mkdir(parents=True)
+    (stale / "old.rc").write_text("0\n")
     (host / "sacct").write_text('#!/bin/sh\nprintf "host sacct:"; printf " [%s]" "$@"; echo\n')
     (host / "sacct").chmod(0o755)
     shell = subprocess.Popen(
@@ -46,7 +49,7 @@ def test_a_tool_missing_in_the_container_is_run_by_the_batch_script(tmp_path: Pa
     try:
         assert shell.stdout is not None
         proxy = Path(shell.stdout.readline().strip())
-        assert proxy == run_dir / ".slurm-tools" / "42", proxy
+        assert proxy == run_dir / ".slurm-tools" / "42-0", proxy
         assert proxy.stat().st_mode & 0o777 == 0o700, oct(proxy.stat().st_mode)  # no one else's requests
         noslurm = ROOT / "tests" / "cluster" / "noslurm" / "bin"
         env = {**os.environ, "PATH": f"{noslurm}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),

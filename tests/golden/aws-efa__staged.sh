@@ -56,7 +56,9 @@ node_dirs+=(/dev/shm/"hpcrun-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}")
 # there (hpcrun.slurm.through_batch_script): each request a file of NUL-separated words, each answer
 # the tool's output, error and exit status (written last). It and the tools it runs ignore a
 # requeue's SIGTERM, as requests made during a requeue do (hence no `timeout`, which would not).
-export HPCRUN_SLURM_PROXY="$run_dir"/.slurm-tools/"$SLURM_JOB_ID"
+# One directory per start of the job: a requeue's SIGKILL can leave the last one's behind.
+export HPCRUN_SLURM_PROXY="$run_dir"/.slurm-tools/"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+rm -rf "$HPCRUN_SLURM_PROXY"
 mkdir -p "${HPCRUN_SLURM_PROXY%/*}" && mkdir -m 700 "$HPCRUN_SLURM_PROXY"
 ( trap '' USR2 TERM
   set +e
@@ -75,7 +77,8 @@ mkdir -p "${HPCRUN_SLURM_PROXY%/*}" && mkdir -m 700 "$HPCRUN_SLURM_PROXY"
           guard=$!
           wait "$tool"
           echo $? >"$answer.rc.part"
-          kill -KILL "$guard" 2>/dev/null ;;
+          kill -KILL "$guard" 2>/dev/null
+          wait "$guard" 2>/dev/null ;;  # reaped here, where bash's "Killed" notice goes nowhere
         *) : >"$answer.out"; echo "not a SLURM tool the batch script runs: ${words[0]}" >"$answer.err"
           echo 126 >"$answer.rc.part" ;;
       esac
