@@ -268,7 +268,7 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     # one job start: SLURM records dropping the lost node as a RESIZING record of it, if it
     # drops the node before the job ends (SlurmdTimeout); never a NODE_FAIL, FAILED or REQUEUED
     assert records(job) in (["RESIZING", "COMPLETED"], ["COMPLETED"]), records(job)
-    # recorded and excluded: the partition's size came from the batch script (no scontrol in the container)
+    # recorded and excluded: the partition's size from the batch script's tool loop (no scontrol in the container)
     assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
     assert state(run_dir).get("excluded_nodes") == [second], state(run_dir)
     failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]

@@ -73,7 +73,7 @@ def failure_step(tmp: Path, spares: int, probes: str) -> tuple[Path, dict[str, s
     return run_dir, {
         "SLURM_JOB_ID": "77", "HPCRUN_ATTEMPT": "0", "SLURM_RESTART_COUNT": "0", "HPCRUN_RESTARTS_IN_JOB": "0",
         "HPCRUN_STEP_NODES": "node1,node2", "HPCRUN_JOB_NODES": ",".join(["node1", "node2", "node3"][: 2 + spares]),
-        "HPCRUN_PARTITION_NODES": "3", "HPCRUN_PROBES": str(tmp / "probes"), "HPCRUN_NEXT_NODES": str(tmp / "next"),
+        "HPCRUN_PROBES": str(tmp / "probes"), "HPCRUN_NEXT_NODES": str(tmp / "next"),
     }
 
 

@@ -164,9 +164,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
     allocated = [n for n in os.environ.get("HPCRUN_JOB_NODES", "").split(",") if n] or step_nodes
     room = 0
     if lost and spec.recipe.fault.exclude_failed_nodes:
-        told = os.environ.get("HPCRUN_PARTITION_NODES", "")  # the batch script's word: this may be a container
-        try:  # SLURM's tools may not answer (or be there): the attempt is recorded all the same
-            room = int(told) if told.isdigit() else partition_size(spec.partition)
+        try:  # SLURM's tools may not answer: the attempt is recorded all the same
+            room = partition_size(spec.partition)
         except HpcrunError as exc:
             print(f"[hpcrun] excluding the lost nodes: {exc.format_message()}", file=sys.stderr)
     if lost:

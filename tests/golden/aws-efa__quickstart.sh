@@ -176,11 +176,9 @@ while :; do
   fi
   # one task on this node, inside the same container as the ranks: the interpreter named by the
   # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
-  # dropped node not) and its partition's size, for a container without SLURM's clients.
+  # dropped node not).
   job_nodes=$(scontrol show hostnames "$(held_nodes)" 2>/dev/null | paste -sd, - || true)
-  partition_nodes=$(timeout 10 scontrol show partition "$SLURM_JOB_PARTITION" 2>/dev/null \
-    | grep -o 'TotalNodes=[0-9]*' | cut -d= -f2 || true)
-  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_PARTITION_NODES=$partition_nodes \
+  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes \
   HPCRUN_PROBES="$srun_stderr.probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
