@@ -59,8 +59,8 @@ def through_batch_script(cmd: list[str], timeout: float) -> subprocess.Completed
     directory = os.environ.get(PROXY_ENV)
     if not directory or os.path.basename(cmd[0]) not in PROXIED:
         return None
-    base = Path(directory) / f"{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}"
-    partial, request, status = (base.with_name(base.name + end) for end in (".part", ".req", ".rc"))
+    base = f"{directory}/{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}"
+    partial, request, status = Path(f"{base}.part"), Path(f"{base}.req"), Path(f"{base}.rc")
     try:
         partial.write_bytes(b"".join(w.encode() + b"\0" for w in [os.path.basename(cmd[0]), *cmd[1:]]))
         os.replace(partial, request)
@@ -72,7 +72,7 @@ def through_batch_script(cmd: list[str], timeout: float) -> subprocess.Completed
             request.unlink(missing_ok=True)
             raise HpcrunError(f"{cmd[0]}, asked of the batch script: no answer within {timeout + 10:g} s")
         time.sleep(0.1)
-    answer = [base.with_name(base.name + end) for end in (".out", ".err", ".rc")]
+    answer = [Path(f"{base}.out"), Path(f"{base}.err"), status]
     try:
         out, err, code = (path.read_text(errors="replace") for path in answer)
     finally:
