@@ -69,7 +69,7 @@ def main() -> None:
     print(f"plan + render {len(specs)} points: {plan_render:.2f} s (target < 2 s: {plan_render / 2:.2f} of the budget)")
     assert len(scripts) == 1000
 
-    from hpcrun.sweep import schedule
+    from hpcrun.campaign import schedule
 
     start = time.perf_counter()
     out = schedule(s, rf)
