@@ -139,3 +139,28 @@ def test_a_function_job_stopped_mid_collective_requeues(tmp_path: Path) -> None:
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["REQUEUED", "COMPLETED"]
     assert time.monotonic() - started < 180  # the requeue hold, a start-up and the 56 calls left (<= 55 s)
+
+
+def test_max_num_timeout_counts_the_stop_at_the_time_limit_not_an_earlier_one(tmp_path: Path) -> None:
+    """submitit's `max_num_timeout` against SLURM's own timing: a USR2 long before the time limit
+    (as a preemption's stop) is requeued without counting; the USR2 SLURM sends at the signal lead
+    before the limit is a timeout, and with max_num_timeout=0 it ends the run, the call's error saying so."""
+    ex = executor(tmp_path)
+    # SLURM sends the lead's USR2 120-150 s into a 3-minute start (it checks every 30 s); a stop
+    # from 60 s on counts (hpcrun.runtime.timeouts: limit - lead - 90 s of slack)
+    ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=3, hpcrun_signal_delay_s=30, hpcrun_max_num_timeout=0)
+    progress = tmp_path / "progress"
+    job = ex.submit(functions.Counter(), 100_000, 0.2, str(progress))
+    wait_for(lambda: progress.exists() and progress.read_text() not in ("", "1"), "the call's 2nd step", 120)
+    elapsed = subprocess.run(["squeue", "-h", "-j", job.job_id, "-o", "%M"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout.strip()
+    minutes, _, seconds = elapsed.rpartition(":")  # squeue's M:SS under an hour
+    assert minutes == "0" and int(seconds) < 45, f"the early stop would come {elapsed} in: too near 60 s to be early"
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    wait_for(lambda: records(job.job_id)[:1] == ["REQUEUED"], "the early stop's requeue", 120)
+    with pytest.raises(submitit.core.utils.FailedJobError, match="timeout cap reached"):
+        job.result()
+    wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
+    assert records(job.job_id) == ["REQUEUED", "COMPLETED"]  # the limit's stop was not requeued
+    state = RunDir(job.paths.folder.parent).state()
+    assert state["status"] == "failed" and "at the time limit" in state["reason"], state
