@@ -27,7 +27,7 @@ import yaml
 
 from hpcrun import pollcache
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, site_copy
+from tests.runs import baseline_weights, hpcrun, local_baseline, recipe, rows, run_dir_of, scale_site
 from tests.slurmstats import WATCHER, hpcrun_as, rpc_counts, run_as
 from tests.test_cluster_faults import CHECKPOINT, PAUSED, TRAINING, records, wait_checkpoint, wait_done
 
@@ -127,12 +127,6 @@ def held_tasks(arrays: set[str]) -> collections.Counter[str]:
         check=True,
     ).stdout
     return collections.Counter(out.split())
-
-
-def scale_site(base: Path, **changes: tp.Any) -> Path:
-    return site_copy(base, "testcluster", default_partition="scale", partitions={
-        "scale": {"max_nodes": 4, "gpus_per_node": 0, "cpus_per_node": 2, "memory_gb": 3.9, "max_time": "01:00:00"},
-    }, **changes)
 
 
 def test_a_campaign_on_the_real_controller(base: Path) -> None:

@@ -14,7 +14,7 @@ import submitit
 
 from hpcrun.rundir import RunDir
 from tests import functions, pool
-from tests.runs import site_copy, wait_for
+from tests.runs import scale_site, site_copy, wait_for
 from tests.test_cluster_requeue import records
 
 pytestmark = pytest.mark.cluster
@@ -141,11 +141,12 @@ def test_a_function_job_stopped_mid_collective_requeues(tmp_path: Path) -> None:
     assert time.monotonic() - started < 180  # the requeue hold, a start-up and the 56 calls left (<= 55 s)
 
 
+@pytest.mark.scale  # minutes of waiting for a time limit: on the partition the scale tests leave idle after ~3 minutes
 def test_max_num_timeout_counts_the_stop_at_the_time_limit_not_an_earlier_one(tmp_path: Path) -> None:
     """submitit's `max_num_timeout` against SLURM's own timing: a USR2 long before the time limit
     (as a preemption's stop) is requeued without counting; the USR2 SLURM sends at the signal lead
     before the limit is a timeout, and with max_num_timeout=0 it ends the run, the call's error saying so."""
-    ex = executor(tmp_path)
+    ex = submitit.AutoExecutor(tmp_path / "submitit", cluster="hpcrun", hpcrun_site=str(scale_site(tmp_path)))
     # SLURM sends the lead's USR2 120-150 s into a 3-minute start (it checks every 30 s); a stop
     # from 60 s on counts (hpcrun.runtime.timeouts: limit - lead - 90 s of slack)
     ex.update_parameters(nodes=1, tasks_per_node=1, timeout_min=3, hpcrun_signal_delay_s=30, hpcrun_max_num_timeout=0)
