@@ -58,12 +58,12 @@ def site_copy(tmp: Path, base: str = "local", **changes: tp.Any) -> Path:
     return path
 
 
-
 def scale_site(tmp: Path, **changes: tp.Any) -> Path:
     """The test cluster's `scale` partition (its upper half: the scale tests', run beside the others)."""
     return site_copy(tmp, "testcluster", default_partition="scale", partitions={
         "scale": {"max_nodes": 4, "gpus_per_node": 0, "cpus_per_node": 2, "memory_gb": 3.9, "max_time": "01:00:00"},
     }, **changes)
+
 
 def recipe(tmp: Path, name: str, **fields: tp.Any) -> Path:
     data = {
