@@ -72,4 +72,5 @@ def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, 
     # the script went on to its failure step and ended with the step's status
     assert shell.returncode == 7, (shell.returncode, err)
     log = (tmp_path / "log").read_text().splitlines()
-    assert log == [f"scancel --signal={sig.name.removeprefix('SIG')} 123", "failure step: 7"], (log, err)
+    passed = f"scancel --state=RUNNING --signal={sig.name.removeprefix('SIG')} 123"  # asked of a running job only
+    assert log == [passed, "failure step: 7"], (log, err)

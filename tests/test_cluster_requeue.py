@@ -4,6 +4,7 @@ restart), must end with the weights of an uninterrupted one, bit for bit."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import subprocess
@@ -65,6 +66,22 @@ def records(job: str) -> list[str]:
     """sacct's records of a job, one per start (requeues add records with -D)."""
     out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
     return [line.split()[0] for line in out.stdout.split()] if out.stdout.strip() else []
+
+
+def batch_lingered_s(job: str) -> dict[str, int]:
+    """For each start of `job` that SLURM requeued or preempted, the seconds its batch shell
+    outlived that end (the job record's End against its `.batch` step's, as sacct -D has them)."""
+    out = subprocess.run(["sacct", "-D", "-n", "-P", "-j", job, "-o", "JobID,State,End"],
+                         capture_output=True, text=True, check=True).stdout
+    lingered, ended = {}, None
+    for line in out.splitlines():
+        step, state_, end = line.split("|")
+        if step == job:
+            ended = (state_.split()[0], end)
+        elif step == f"{job}.batch" and ended and ended[0] in ("REQUEUED", "PREEMPTED"):
+            seconds = dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(ended[1])
+            lingered[f"{ended[0]} {len(lingered)}"] = int(seconds.total_seconds())
+    return lingered
 
 
 def preemptor_ran(job: str) -> bool:
@@ -141,7 +158,10 @@ def test_time_limit_requeues_until_done(shared: Path, baseline_of_two: Path) -> 
 def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(shared: Path, baseline: Path) -> None:
     """USR2 mid-way (hpcrun saves and requeues), then, mid-way through the resumed attempt, the
     higher-priority partition takes both nodes (GraceTime 0: USR2 and SIGTERM together; SLURM
-    requeues, hpcrun does not requeue twice). One requeue each; the weights of an uninterrupted run."""
+    requeues, hpcrun does not requeue twice). One requeue each; the weights of an uninterrupted run.
+    Each time the batch shell, which SLURM's SIGTERM reaches as it ends the start, exits at once:
+    it does not hold the requeue until KillWait's SIGKILL (20 s here; it did, scancel retrying on the
+    ending job, before the batch shell's stop traps asked only of a running one)."""
     # 1.6 s per step: >= 48 s of training; the preemption comes after the resumed attempt's first
     # checkpoint (step 20), with >= 16 s of its training left
     run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 1.6))
@@ -159,6 +179,8 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     final = wait_done(run_dir)
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)  # one requeue per interruption
+    lingered = batch_lingered_s(job)
+    assert len(lingered) == 2 and all(seconds < 10 for seconds in lingered.values()), lingered
     assert preemptor_ran(urgent.split(";")[0]), records(urgent.split(";")[0])
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 

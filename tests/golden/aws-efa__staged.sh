@@ -118,8 +118,10 @@ while :; do
   export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 997 * HPCRUN_ATTEMPT) % 12000))
   rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending" "$srun_stderr.probes"
   : >"$srun_stderr"
-  trap 'scancel --signal=USR2 "$SLURM_JOB_ID" || true' USR2
-  trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
+  # Only while the job runs: SLURM's own SIGTERM (a requeue, preemption, cancel, the time limit) finds it
+  # ending, and scancel retries on an ending job until KillWait's SIGKILL, holding a requeue that long.
+  trap 'scancel --state=RUNNING --signal=USR2 "$SLURM_JOB_ID" || true' USR2
+  trap 'scancel --state=RUNNING --signal=TERM "$SLURM_JOB_ID" || true' TERM
   ( trap '' USR2 TERM
     set +e
     srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=2 \
