@@ -130,6 +130,21 @@ def copy_into(source: tp.Any, buffers: tp.Any, non_blocking: bool = False) -> tp
     return copy.deepcopy(source)
 
 
+def allocate_like(source: tp.Any) -> tp.Any:
+    """Host buffers for `copy_into` to fill: `source`'s structure with a tensor of the same shape
+    and dtype for each tensor (pinned for one on a GPU), None for any other value. On a CPU the
+    buffers are zeroed, so that the first copy into them faults in no fresh pages."""
+    if isinstance(source, torch.Tensor):
+        if source.device.type == "cuda":
+            return torch.empty_like(source, device="cpu", pin_memory=True)
+        return torch.zeros_like(source, device="cpu")
+    if isinstance(source, dict):
+        return {key: allocate_like(value) for key, value in source.items()}
+    if isinstance(source, (list, tuple)):
+        return [allocate_like(value) for value in source]
+    return None
+
+
 class ReusingStager(AsyncStager):
     """An asynchronous save's stager for state dicts of plain tensors: `stage` copies the state
     into the previous save's host buffers (`copy_into`) and returns them, the copy done. Reuse is

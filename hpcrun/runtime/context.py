@@ -143,6 +143,8 @@ class Context:
                 parts.append(time.perf_counter())
                 for part, began, ended in zip(self.own_s, parts, parts[1:]):
                     self.own_s[part] += ended - began
+                if self.snapshots and memory and done == self.start_step + 1:  # the optimizer's state exists now
+                    self.snapshots.prepare(self.engine)
                 snapshot_busy, disk_busy = bool(self.snapshots and self.snapshots.busy), self.checkpoints.busy
                 disk.observe(self.measured.step_times[-1], disk_busy, disk_busy or snapshot_busy)
                 if memory:
@@ -171,9 +173,11 @@ class Context:
                 snapshots = ""
                 if self.snapshots and self.snapshots.stalls:  # the same line: a log's last lines are the steps'
                     stalls = self.snapshots.stalls
+                    later = f", then {1e3 * sum(stalls[1:]) / (len(stalls) - 1):.1f} ms each" if len(stalls) > 1 else ""
+                    aside = " (buffers allocated aside)" if self.snapshots.prepared else ""
                     snapshots = (
-                        f"; in-memory snapshots: {len(stalls)}, {1e3 * sum(stalls) / len(stalls):.1f} ms each on the "
-                        f"training thread ({100 * sum(stalls) / stepped:.3f}% of step time), "
+                        f"; in-memory snapshots: {len(stalls)}{aside}, the first {1e3 * stalls[0]:.1f} ms{later} "
+                        f"on the training thread ({100 * sum(stalls) / stepped:.3f}% of step time), "
                         f"{self.snapshots.failures} failed"
                     )
                 saves = "".join(f"; {line}" for line in self.cadence_lines())

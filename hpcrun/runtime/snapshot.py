@@ -8,7 +8,8 @@ only each node's first rank writes it, and the node's other ranks load that copy
 `<local_scratch>/hpcrun-<SLURM_JOB_ID>-<SLURM_RESTART_COUNT>/<run id>/<node>/rank-NNNNN/step-N/`
 (`<node>`: SLURMD_NODENAME, so nodes stay apart even where the scratch is shared).
 On the training thread a snapshot is only a copy of the state into host buffers reused from one
-snapshot to the next (on a GPU, on a side stream the optimizer step waits for); a background
+snapshot to the next, allocated on a thread of their own after the attempt's first step (on a GPU
+pinned, and the copy on a side stream the optimizer step waits for); a background
 thread writes it under a temporary name, its manifest (each file's size and CRC-32, the attempt
 that wrote it) last, renames it into place, then sends the files to the rank of the same position
 on the next node (its peer) as they lie in memory (tmpfs pages, mapped: no pickles, no copies),
@@ -210,7 +211,9 @@ class Snapshots:
         self.nodes: list[str] = [self.node]
         self.stalls: list[float] = []  # seconds each save held the training thread
         self.failures = 0
+        self.prepared = False  # whether this rank's buffers were allocated aside (`prepare`)
         self._pending: Future[None] | None = None
+        self._preparing: Future[tp.Any] | None = None  # the engine's first host buffers, being allocated
         self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
@@ -228,6 +231,11 @@ class Snapshots:
         if not getattr(engine, "replicated", False):  # an engine that does not say keeps its own
             return rank
         return next(group[0] for group in nodes_ranks(self.nodes) if rank in group)
+
+    def _learn_nodes(self) -> None:
+        """Where every rank runs, if no restore learnt it. Collective."""
+        if len(self.nodes) != self.env.world_size:
+            self.nodes = self._gather(self.node)
 
     def _gather(self, value: tp.Any) -> list[tp.Any]:
         if self.group is None:
@@ -382,8 +390,21 @@ class Snapshots:
 
     @property
     def busy(self) -> bool:
-        """Whether the previous snapshot is still being written, sent or agreed on."""
-        return self._pending is not None and not self._pending.done()
+        """Whether the previous snapshot is still being written, sent or agreed on, or the first
+        one's host buffers are still being allocated."""
+        in_flight = self._pending is not None and not self._pending.done()
+        return in_flight or (self._preparing is not None and not self._preparing.done())
+
+    def prepare(self, engine: tp.Any) -> None:
+        """Have `engine` allocate its snapshot buffers aside (`prepare_snapshot`), so that the
+        first snapshot, like every later one, holds training only for its copy; until they are
+        ready the snapshot is `busy` (one due is skipped). Collective: every rank, the same step."""
+        prepare = getattr(engine, "prepare_snapshot", None)
+        if prepare is None:
+            return
+        self._learn_nodes()
+        self._preparing = prepare(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
+        self.prepared = self.prepared or self._preparing is not None
 
     def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> float:
         """Snapshot `step`: copy the state to host buffers and leave the rest to the background
@@ -391,8 +412,7 @@ class Snapshots:
         flight on any rank (hpcrun.runtime.schedule skips one due earlier)."""
         start = time.perf_counter()
         self.wait()  # nothing in flight by the schedule's agreement: returns at once
-        if len(self.nodes) != self.env.world_size:  # no restore ran: learn the nodes now
-            self.nodes = self._gather(self.node)
+        self._learn_nodes()
         rank_dir = self.rank_dir(self.env.rank)
         tmp = rundir.partial_step_dir(rank_dir, step)
         shutil.rmtree(tmp, ignore_errors=True)
