@@ -68,20 +68,26 @@ def records(job: str) -> list[str]:
     return [line.split()[0] for line in out.stdout.split()] if out.stdout.strip() else []
 
 
-def batch_lingered_s(job: str) -> dict[str, int]:
-    """For each start of `job` that SLURM requeued or preempted, the seconds its batch shell
-    outlived that end (the job record's End against its `.batch` step's, as sacct -D has them)."""
-    out = subprocess.run(["sacct", "-D", "-n", "-P", "-j", job, "-o", "JobID,State,End"],
+def batch_ends(job: str) -> dict[str, tuple[str, str, int]]:
+    """For each start of `job` that SLURM requeued or preempted, how its batch shell ended: the
+    `.batch` step's state and exit code (`0:9`: SIGKILLed), and the seconds it outlived that
+    start's last step (sacct -D lists each start's record, then its steps)."""
+    out = subprocess.run(["sacct", "-D", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode,End"],
                          capture_output=True, text=True, check=True).stdout
-    lingered, ended = {}, None
-    for line in out.splitlines():
-        step, state_, end = line.split("|")
-        if step == job:
-            ended = (state_.split()[0], end)
-        elif step == f"{job}.batch" and ended and ended[0] in ("REQUEUED", "PREEMPTED"):
-            seconds = dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(ended[1])
-            lingered[f"{ended[0]} {len(lingered)}"] = int(seconds.total_seconds())
-    return lingered
+    ends: dict[str, tuple[str, str, int]] = {}
+    start, steps_end, batch = None, None, None
+    for line in [*out.splitlines(), f"{job}|END||"]:
+        step, state_, code, end = line.split("|")
+        if step == job:  # a new start: settle the one before
+            if start in ("REQUEUED", "PREEMPTED") and batch and steps_end:
+                outlived = dt.datetime.fromisoformat(batch[2]) - dt.datetime.fromisoformat(steps_end)
+                ends[f"{start} {len(ends)}"] = (batch[0], batch[1], int(outlived.total_seconds()))
+            start, steps_end, batch = state_.split()[0], None, None
+        elif step == f"{job}.batch":
+            batch = (state_.split()[0], code, end)
+        elif step.split(".")[-1].isdigit() and end[:1].isdigit():
+            steps_end = max(steps_end or end, end)
+    return ends
 
 
 def preemptor_ran(job: str) -> bool:
@@ -159,9 +165,9 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     """USR2 mid-way (hpcrun saves and requeues), then, mid-way through the resumed attempt, the
     higher-priority partition takes both nodes (GraceTime 0: USR2 and SIGTERM together; SLURM
     requeues, hpcrun does not requeue twice). One requeue each; the weights of an uninterrupted run.
-    Each time the batch shell, which SLURM's SIGTERM reaches as it ends the start, exits at once:
-    it does not hold the requeue until KillWait's SIGKILL (20 s here; it did, scancel retrying on the
-    ending job, before the batch shell's stop traps asked only of a running one)."""
+    Each time the batch shell, which SLURM's SIGTERM reaches as it ends the start, exits by itself
+    once its step has: it does not hold the requeue until KillWait's SIGKILL (20 s here; it did,
+    scancel retrying on the ending job, before the batch shell's stop traps asked only of a running one)."""
     # 1.6 s per step: >= 48 s of training; the preemption comes after the resumed attempt's first
     # checkpoint (step 20), with >= 16 s of its training left
     run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 1.6))
@@ -179,8 +185,8 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     final = wait_done(run_dir)
     assert final["status"] == "completed" and final["restart_count"] == 2, final
     assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)  # one requeue per interruption
-    lingered = batch_lingered_s(job)
-    assert len(lingered) == 2 and all(seconds < 10 for seconds in lingered.values()), lingered
+    ended = batch_ends(job)  # the shell exits by itself once its step has ended, not by KillWait's SIGKILL
+    assert len(ended) == 2 and all(state_ != "CANCELLED" and code != "0:9" for state_, code, _ in ended.values()), ended
     assert preemptor_ran(urgent.split(";")[0]), records(urgent.split(";")[0])
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
