@@ -228,7 +228,7 @@ class Context:
             if kind.costs:
                 line += f"; {len(kind.costs)} measured at {sum(kind.costs) / len(kind.costs):.2f} s each"
             if kind.skipped:
-                line += f", {kind.skipped} skipped (the one before still in flight)"
+                line += f", {kind.skipped} skipped (the one before still in flight, or the buffers not yet allocated)"
             if line:
                 lines.append(line)
         return lines

@@ -16,7 +16,8 @@ on the next node (its peer) as they lie in memory (tmpfs pages, mapped: no pickl
 which receives them straight into their files and checks them against the manifest. Once every
 rank holds both copies (an all-reduce on the snapshots' own gloo group) each rank drops its older
 steps: a node keeps one complete step of each rank directory it holds, plus the one being written.
-A snapshot due while the previous one is still in flight is skipped (hpcrun.runtime.schedule).
+A snapshot due while the previous one is still in flight, or before the first one's buffers are
+allocated, is skipped (hpcrun.runtime.schedule).
 
 At an attempt's start (`restore`, collective) the ranks exchange what their nodes hold, pick the
 newest step of which every rank has a verified copy written by one attempt on some node (ranks
