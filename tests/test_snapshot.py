@@ -348,35 +348,40 @@ def test_a_hung_peer_holds_the_snapshot_no_longer_than_the_collective_timeout(tm
 
 
 @pytest.mark.oldest_torch
-def test_the_first_snapshot_copies_into_buffers_allocated_aside(tmp_path: Path) -> None:
+def test_the_first_snapshot_copies_into_buffers_allocated_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first snapshot's host buffers are allocated on a thread of their own (pinning a GPU's
     15.6 GB held training ~4 s), the snapshots `busy` until then (what the schedule skips on), and
-    the first snapshot copies into those very buffers: the weights and Adam's state alike."""
+    the first snapshot copies into those very buffers: the weights and Adam's state alike. Before
+    the optimizer has state (an fp16 run's skipped first step) nothing is taken, so it is not stepped."""
     from types import SimpleNamespace
 
+    from hpcrun.runtime import checkpoint
     from hpcrun.runtime.engine import TorchEngine
 
     env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo", 0, "7", "localhost", "7")
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
     optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(4, 512)).sum().backward()
-    optimizer.step()  # Adam's state exists after the first step, as when `prepare` is called
     recipe = SimpleNamespace(precision="fp32", training=SimpleNamespace(grad_accum=1))
     engine = TorchEngine(model, optimizer, tp.cast(tp.Any, recipe), env, model)
     snaps = snapshot.Snapshots(tmp_path, "run", env, timeout_s=60, on_slurm=False)
     allocated: list[str] = []
-    original = engine.prepare_snapshot
+    allocate_like = checkpoint.allocate_like
 
-    def prepare(keep: bool = True) -> tp.Any:
-        future = original(keep)
-        assert future is not None, "nothing was prepared"
-        future.add_done_callback(lambda _: allocated.append(threading.current_thread().name))
-        return future
+    def observed(shapes: tp.Any, pinned: bool) -> tp.Any:  # hpcrun's own function, observed
+        allocated.append(threading.current_thread().name)
+        return allocate_like(shapes, pinned)
 
-    engine.prepare_snapshot = prepare  # type: ignore[method-assign]  # hpcrun's own engine, observed
+    monkeypatch.setattr(checkpoint, "allocate_like", observed)
+    snaps.prepare(engine)  # no optimizer state yet: asked again later, the optimizer untouched
+    assert snaps.preparing and not optimizer.state and not allocated, (snaps.preparing, optimizer.state)
+    model(torch.randn(4, 512)).sum().backward()
+    optimizer.step()
     snaps.prepare(engine)
+    assert not snaps.preparing
     wait_for(lambda: not snaps.busy, "the snapshot buffers' allocation", timeout=30)
-    assert allocated == ["hpcrun-snapshot-buffers"], allocated
+    assert set(allocated) == {"hpcrun-snapshot-buffers"}, allocated  # once per tensor and container
     prepared = engine._allocating.result()  # noqa: SLF001
     staged = engine.snapshot_state()
     assert staged is not None

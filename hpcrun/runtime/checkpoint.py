@@ -130,18 +130,30 @@ def copy_into(source: tp.Any, buffers: tp.Any, non_blocking: bool = False) -> tp
     return copy.deepcopy(source)
 
 
-def allocate_like(source: tp.Any) -> tp.Any:
-    """Host buffers for `copy_into` to fill: `source`'s structure with a tensor of the same shape
-    and dtype for each tensor (pinned for one on a GPU), None for any other value. On a CPU the
-    buffers are zeroed, so that the first copy into them faults in no fresh pages."""
+def meta_like(source: tp.Any) -> tp.Any:
+    """`source`'s structure with each tensor's shape and dtype only (meta tensors, no memory) and
+    None for any other value: what `allocate_like` needs, safe to hand to another thread."""
     if isinstance(source, torch.Tensor):
-        if source.device.type == "cuda":
-            return torch.empty_like(source, device="cpu", pin_memory=True)
-        return torch.zeros_like(source, device="cpu")
+        return torch.empty_like(source, device="meta")
     if isinstance(source, dict):
-        return {key: allocate_like(value) for key, value in source.items()}
+        return {key: meta_like(value) for key, value in source.items()}
     if isinstance(source, (list, tuple)):
-        return [allocate_like(value) for value in source]
+        return [meta_like(value) for value in source]
+    return None
+
+
+def allocate_like(shapes: tp.Any, pinned: bool) -> tp.Any:
+    """Host buffers for `copy_into` to fill, one per tensor of `shapes` (`meta_like`'s), pinned
+    for a state on a GPU; None for any other value. Unpinned buffers are zeroed, so that the first
+    copy into them faults in no fresh pages."""
+    if isinstance(shapes, torch.Tensor):
+        if pinned:
+            return torch.empty(shapes.shape, dtype=shapes.dtype, pin_memory=True)
+        return torch.zeros(shapes.shape, dtype=shapes.dtype)
+    if isinstance(shapes, dict):
+        return {key: allocate_like(value, pinned) for key, value in shapes.items()}
+    if isinstance(shapes, list):
+        return [allocate_like(value, pinned) for value in shapes]
     return None
 
 

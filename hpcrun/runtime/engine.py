@@ -155,25 +155,29 @@ class TorchEngine:
             async_stager=self._stager,
         )  # type: ignore[return-value]
 
-    def prepare_snapshot(self, keep: bool = True) -> Future[tp.Any] | None:
+    def prepare_snapshot(self, keep: bool = True) -> Future[tp.Any] | None | tp.Literal[False]:
         """Allocate the host buffers of the first snapshot on a thread of their own, before it is
         due: on a GPU they are pinned, and pinning a 1.3b model's 15.6 GB held the training
-        thread ~4 s (torch.empty releases the GIL while it allocates). Returns what the
-        allocation completes, or None where nothing is prepared (another rank keeps this node's
-        copy, FSDP's stager keeps its own buffers, or they exist). Every rank calls it, as
-        `snapshot_state`, since taking the state gives an optimizer with no state yet its step."""
+        thread ~4 s (torch.empty releases the GIL while it allocates). The thread sees only the
+        state's shapes and dtypes (meta tensors), never the live optimizer. Returns what the
+        allocation completes; None where nothing is prepared (another rank keeps this node's copy,
+        FSDP's stager keeps its own buffers, or they exist); False while the optimizer has no
+        state yet (an fp16 run's skipped first step): taking the state then would step it."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        state = self._state()
         if not keep or isinstance(self.model, FullyShardedDataParallel) or self._snapshot_buffers is not None:
             return None
+        if not self.optimizer.state:
+            return False
         if self._allocating is None:
+            shapes = checkpoint.meta_like(self._state())
+            pinned = self.env.device.type == "cuda"
             allocating = self._allocating = Future()
 
             def allocate() -> None:
                 try:
-                    allocating.set_result(checkpoint.allocate_like(state))
-                except BaseException as exc:  # noqa: BLE001 - raised where the first snapshot takes them
+                    allocating.set_result(checkpoint.allocate_like(shapes, pinned))
+                except BaseException as exc:  # noqa: BLE001 - the first snapshot then allocates its own
                     allocating.set_exception(exc)
 
             threading.Thread(target=allocate, name="hpcrun-snapshot-buffers", daemon=True).start()
@@ -195,7 +199,10 @@ class TorchEngine:
             return None
         if self._allocating is not None:  # ready by the schedule's agreement (`Snapshots.busy` until then)
             allocating, self._allocating = self._allocating, None
-            self._snapshot_buffers = allocating.result()
+            try:
+                self._snapshot_buffers = allocating.result()
+            except Exception as exc:  # noqa: BLE001 - copy_into allocates them here instead
+                print(f"[hpcrun rank {self.env.rank}] snapshot buffers not allocated aside: {exc}", flush=True)
         if isinstance(self.model, FullyShardedDataParallel):
             if self._snapshot_stager is None:
                 self._snapshot_stager = checkpoint.host_stager(sharded_tensors=True)

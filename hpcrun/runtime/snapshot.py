@@ -44,6 +44,7 @@ import threading
 import time
 import typing as tp
 import zlib
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -125,6 +126,7 @@ def verify(step_dir: Path) -> str | None:
     return f"{step_dir}: files differ from the manifest: {', '.join(wrong)}" if wrong else None
 
 
+PREPARE_WAIT_S = 10.0  # at the end, for buffers still being allocated: a stop must fit in KillWait
 SEND_CHUNK = 1 << 28  # one message's most bytes: gloo's ibverbs transport refuses 1 GiB and more
 
 
@@ -213,6 +215,7 @@ class Snapshots:
         self.stalls: list[float] = []  # seconds each save held the training thread
         self.failures = 0
         self.prepared = False  # whether this rank's buffers were allocated aside (`prepare`)
+        self.preparing = True  # until `prepare` has asked the engine and it could answer
         self._pending: Future[None] | None = None
         self._preparing: Future[tp.Any] | None = None  # the engine's first host buffers, being allocated
         self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
@@ -399,12 +402,17 @@ class Snapshots:
     def prepare(self, engine: tp.Any) -> None:
         """Have `engine` allocate its snapshot buffers aside (`prepare_snapshot`), so that the
         first snapshot, like every later one, holds training only for its copy; until they are
-        ready the snapshot is `busy` (one due is skipped). Collective: every rank, the same step."""
+        ready the snapshot is `busy` (one due is skipped). Called after each step until it could ask
+        (`preparing`); the first call is collective (every rank, the same step: it may learn the
+        nodes), the later ones are not."""
         prepare = getattr(engine, "prepare_snapshot", None)
         if prepare is None:
+            self.preparing = False
             return
         self._learn_nodes()
-        self._preparing = prepare(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
+        prepared = prepare(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
+        self.preparing = prepared is False  # the engine cannot yet: asked again after the next step
+        self._preparing = prepared or None
         self.prepared = self.prepared or self._preparing is not None
 
     def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> float:
@@ -418,6 +426,7 @@ class Snapshots:
         tmp = rundir.partial_step_dir(rank_dir, step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        self._preparing = None  # the engine has taken its buffers
         state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
         staged = engine.snapshot_state(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
         self._pending = Future[None]()
@@ -503,6 +512,8 @@ class Snapshots:
             self._closed = True
         else:
             self.wait()
+        if self._preparing is not None:  # a thread inside torch at interpreter exit can abort the process
+            futures.wait([self._preparing], timeout=PREPARE_WAIT_S)
         for rank in list(self._held):  # the background thread may still add a replica's rank
             shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
         for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):
