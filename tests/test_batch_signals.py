@@ -43,9 +43,13 @@ def stub(bindir: Path, name: str, text: str) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
 @pytest.mark.parametrize("whole", [False, True], ids=["shell", "every-process"])
-def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, whole: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("array", [False, True], ids=["job", "array-task"])
+def test_a_stop_signal_to_the_batch_shell_reaches_the_step(
+    sig: signal.Signals, whole: bool, array: bool, tmp_path: Path
+) -> None:
     """`whole`: the signal reaches every process of the batch step, as `scancel --full` sends it
-    (the stub srun, like a real one, lives on: the script's own subshell and tee must too)."""
+    (the stub srun, like a real one, lives on: the script's own subshell and tee must too).
+    `array`: the job is task 3 of array 120, and only that task is signalled, not the sweep."""
     site = site_copy(tmp_path, "testcluster")
     script = cli("render", "--site", str(site), "--run-id", "r-sig", "jobs/quickstart.yaml").stdout
     assert script.startswith("#!/bin/bash"), script
@@ -56,7 +60,8 @@ def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, 
     stub(bindir, "scancel", SCANCEL)
     stub(bindir, "scontrol", "#!/bin/sh\necho node1\n")
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "HOME": str(tmp_path),
-           "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "node1"}
+           "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "node1",
+           **({"SLURM_ARRAY_JOB_ID": "120", "SLURM_ARRAY_TASK_ID": "3"} if array else {})}
     shell = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=env, cwd=tmp_path, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -72,5 +77,6 @@ def test_a_stop_signal_to_the_batch_shell_reaches_the_step(sig: signal.Signals, 
     # the script went on to its failure step and ended with the step's status
     assert shell.returncode == 7, (shell.returncode, err)
     log = (tmp_path / "log").read_text().splitlines()
-    passed = f"scancel --state=RUNNING --signal={sig.name.removeprefix('SIG')} 123"  # asked of a running job only
+    target = "120_3" if array else "123"
+    passed = f"scancel -Q --state=RUNNING --signal={sig.name.removeprefix('SIG')} {target}"  # of a running job only
     assert log == [passed, "failure step: 7"], (log, err)

@@ -77,6 +77,8 @@ nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1 | paste -sd, -
 starts="$run_dir"/starts/"$SLURM_JOB_ID"
 mkdir -p "${starts%/*}"
 restarts_in_job=0
+this_job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+this_job=${this_job:-$SLURM_JOB_ID}
 while :; do
   # hpcrun's attempt number: every start of the step in this job, requeues and restarts in it alike
   HPCRUN_ATTEMPT=0
@@ -91,8 +93,9 @@ while :; do
   : >"$srun_stderr"
   # Only while the job runs: SLURM's own SIGTERM (a requeue, preemption, cancel, the time limit) finds it
   # ending, and scancel retries on an ending job until KillWait's SIGKILL, holding a requeue that long.
-  trap 'scancel --state=RUNNING --signal=USR2 "$SLURM_JOB_ID" || true' USR2
-  trap 'scancel --state=RUNNING --signal=TERM "$SLURM_JOB_ID" || true' TERM
+  # An array's task by its own id: the array's job id would signal every task of the sweep.
+  trap 'scancel -Q --state=RUNNING --signal=USR2 "$this_job" || true' USR2
+  trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
   ( trap '' USR2 TERM
     set +e
     srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=2 \
