@@ -375,11 +375,11 @@ def test_the_first_snapshot_copies_into_buffers_allocated_aside(
 
     monkeypatch.setattr(checkpoint, "allocate_like", observed)
     snaps.prepare(engine)  # no optimizer state yet: asked again later, the optimizer untouched
-    assert snaps.preparing and not optimizer.state and not allocated, (snaps.preparing, optimizer.state)
+    assert snaps.prepare_pending and not optimizer.state and not allocated, (snaps.prepare_pending, optimizer.state)
     model(torch.randn(4, 512)).sum().backward()
     optimizer.step()
     snaps.prepare(engine)
-    assert not snaps.preparing
+    assert not snaps.prepare_pending
     wait_for(lambda: not snaps.busy, "the snapshot buffers' allocation", timeout=30)
     assert set(allocated) == {"hpcrun-snapshot-buffers"}, allocated  # once per tensor and container
     prepared = engine._allocating.result()  # noqa: SLF001

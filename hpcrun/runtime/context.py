@@ -143,7 +143,7 @@ class Context:
                 parts.append(time.perf_counter())
                 for part, began, ended in zip(self.own_s, parts, parts[1:]):
                     self.own_s[part] += ended - began
-                if self.snapshots and memory and self.snapshots.preparing and not saving:  # from the first step on
+                if self.snapshots and self.snapshots.prepare_pending and not saving:  # from the first step on
                     self.snapshots.prepare(self.engine)
                 snapshot_busy, disk_busy = bool(self.snapshots and self.snapshots.busy), self.checkpoints.busy
                 disk.observe(self.measured.step_times[-1], disk_busy, disk_busy or snapshot_busy)

@@ -215,7 +215,7 @@ class Snapshots:
         self.stalls: list[float] = []  # seconds each save held the training thread
         self.failures = 0
         self.prepared = False  # whether this rank's buffers were allocated aside (`prepare`)
-        self.preparing = True  # until `prepare` has asked the engine and it could answer
+        self.prepare_pending = True  # until `prepare` has asked the engine and it could answer
         self._pending: Future[None] | None = None
         self._preparing: Future[tp.Any] | None = None  # the engine's first host buffers, being allocated
         self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
@@ -403,15 +403,15 @@ class Snapshots:
         """Have `engine` allocate its snapshot buffers aside (`prepare_snapshot`), so that the
         first snapshot, like every later one, holds training only for its copy; until they are
         ready the snapshot is `busy` (one due is skipped). Called after each step until it could ask
-        (`preparing`); the first call is collective (every rank, the same step: it may learn the
+        (`prepare_pending`); the first call is collective (every rank, the same step: it may learn the
         nodes), the later ones are not."""
         prepare = getattr(engine, "prepare_snapshot", None)
         if prepare is None:
-            self.preparing = False
+            self.prepare_pending = False
             return
         self._learn_nodes()
         prepared = prepare(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
-        self.preparing = prepared is False  # the engine cannot yet: asked again after the next step
+        self.prepare_pending = prepared is False  # the engine cannot yet: asked again after the next step
         self._preparing = prepared or None
         self.prepared = self.prepared or self._preparing is not None
 
