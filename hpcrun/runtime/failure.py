@@ -146,9 +146,12 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
     own = next((r for r in records if r.get("rank") == failure.rank), None)
     failure = name_silent(run_dir, job_id, attempt, failure, own, spec.world_size)
-    final = bool(own.get("final")) if own else any(r.get("final") for r in records)
-    if final and isinstance(spec.recipe.job, FunctionJob):
-        failed_call(spec.recipe.job, run_dir, job_id, spec.world_size, str((own or records[0]).get("error")))
+    # only the first failing rank's own record makes the failure the call's result: a rank that died
+    # without one (SIGKILL, OOM, a segfault) raised nothing, and a peer's error after it is its consequence
+    call_error = str(own.get("error")) if own is not None and own.get("final") else None
+    final = call_error is not None
+    if call_error is not None and isinstance(spec.recipe.job, FunctionJob):
+        failed_call(spec.recipe.job, run_dir, job_id, spec.world_size, call_error)
     signature = failure.signature(newest_checkpoint(run_dir.checkpoints))
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
