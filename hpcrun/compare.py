@@ -118,6 +118,10 @@ def check(df: pd.DataFrame, baseline: Baseline, path: Path) -> list[tuple[str, b
 # between the two with room on both sides; bf16/fp16 runs need a looser --tolerance (~1e-2).
 AGREE_KEYS = ["model", "seed", "global_batch", "seq_len"]
 AGREE_TOLERANCE = 1e-3
+# Judged over the first AGREE_WINDOW steps only: once a model starts to memorise, reassociation's
+# 1e-8 grows smoothly to percent (tiny model, 2 x 2, fp32: 1e-8 through step 700, 1e-2 at 1000),
+# whereas a fault shows within a few steps. 100 is 20x "a few" and 7x short of that growth.
+AGREE_WINDOW = 100
 
 
 def strategy_label(df: pd.DataFrame) -> pd.Series:
@@ -135,15 +139,29 @@ def strategy_label(df: pd.DataFrame) -> pd.Series:
     return df.apply(one, axis=1).astype("string") if len(df) else pd.Series([], dtype="string")
 
 
-def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGREE_TOLERANCE) -> pd.DataFrame:
+def agreement(
+    summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGREE_TOLERANCE, window: int = AGREE_WINDOW
+) -> pd.DataFrame:
     """For each group of completed runs that trained the same model (AGREE_KEYS present in
-    `summary`) with at least two strategies: the largest loss difference between any two of
-    its runs over the steps all of them logged, absolute and relative (to the larger |loss|),
-    the step and strategies where it occurs, and `agree` (relative difference <= tolerance).
-    A group without common steps is listed with `agree` missing: nothing to compare is not a
-    pass."""
+    `summary`) with at least two strategies, over the steps all of its runs logged.
+
+    Judged over a window: the common steps before the first common step plus `window`, counted
+    in training steps, not logged rows (`common_steps` of them, the last `judged_through`). There:
+    the largest loss difference between any two runs, absolute and relative (to the larger |loss|),
+    the step and strategies where it occurs, and `agree` (relative difference <= tolerance). A
+    group without common steps is listed with `agree` missing: nothing to compare is not a pass.
+
+    After the window, shown and not judged: `later_steps` common steps, the largest relative
+    difference among them (`drift_rel_diff`, at `drift_step`), and `exceeds_step`, the first
+    common step of all whose relative difference is over the tolerance (missing if none)."""
+    import numpy as np
     import pandas as pd
 
+    if window < 1:
+        raise ValueError(f"window must be at least one step, not {window}")
+    # whole numbers that may be missing: Int64, so that the page shows step 2243, not 2243.0 or 2.243e+03
+    counts = ["runs", "window", "common_steps", "judged_through", "worst_step", "later_steps"]
+    counts += ["drift_step", "exceeds_step"]
     columns = [
         *AGREE_KEYS,
         "strategies",
@@ -155,11 +173,17 @@ def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGR
         "worst_pair",
         "tolerance",
         "agree",
+        "window",
+        "judged_through",
+        "later_steps",
+        "drift_rel_diff",
+        "drift_step",
+        "exceeds_step",
     ]
     keys = [k for k in AGREE_KEYS if k in summary.columns]
     done = summary[summary["status"] == "completed"].copy()
     if done.empty or steps.empty:
-        return pd.DataFrame(columns=columns)
+        return pd.DataFrame(columns=columns).astype({c: "Int64" for c in counts})
     done["label"] = strategy_label(done)
     runs = done.drop_duplicates("run_id").set_index("run_id")
     curves = steps[steps["run_id"].isin(runs.index)].dropna(subset=["loss"])
@@ -173,29 +197,40 @@ def agreement(summary: pd.DataFrame, steps: pd.DataFrame, tolerance: float = AGR
             continue
         common = table[members].dropna()
         row: dict[str, tp.Any] = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
-        row.update(strategies=", ".join(labels), runs=len(members), common_steps=len(common), tolerance=tolerance)
+        row.update(strategies=", ".join(labels), runs=len(members), tolerance=tolerance, window=window)
         if common.empty:
-            out.append({**row, "agree": None})
+            out.append({**row, "common_steps": 0, "later_steps": 0, "agree": None})
             continue
         values = common.to_numpy()
+        at = common.index.to_numpy().astype(int)
         high, low = values.argmax(axis=1), values.argmin(axis=1)
         spread = values.max(axis=1) - values.min(axis=1)
-        scale = abs(values).max(axis=1)
-        relative = [s / m if m else 0.0 for s, m in zip(spread, scale)]
-        worst = max(range(len(relative)), key=lambda i: relative[i])
+        scale = np.abs(values).max(axis=1)
+        relative = np.divide(spread, scale, out=np.zeros_like(spread), where=scale != 0)
+        judged = at < at[0] + window
+        worst = int(relative[judged].argmax())  # the first of equals: the window is the array's head
         pair = (
             sorted({group.loc[members[high[worst]], "label"], group.loc[members[low[worst]], "label"]})
             if spread[worst]
             else ["none (identical losses)"]
         )
+        later = np.flatnonzero(~judged)
+        drifted = int(later[relative[later].argmax()]) if len(later) else None
+        over = np.flatnonzero(relative > tolerance)
         out.append(
             {
                 **row,
-                "max_abs_diff": float(spread.max()),
+                "common_steps": int(judged.sum()),
+                "max_abs_diff": float(spread[judged].max()),
                 "max_rel_diff": float(relative[worst]),
-                "worst_step": int(common.index[worst]),
+                "worst_step": int(at[worst]),
                 "worst_pair": " vs ".join(pair),
-                "agree": relative[worst] <= tolerance,
+                "agree": bool(relative[worst] <= tolerance),
+                "judged_through": int(at[judged][-1]),
+                "later_steps": len(later),
+                "drift_rel_diff": None if drifted is None else float(relative[drifted]),
+                "drift_step": None if drifted is None else int(at[drifted]),
+                "exceeds_step": int(at[over[0]]) if len(over) else None,
             }
         )
-    return pd.DataFrame(out, columns=columns)
+    return pd.DataFrame(out, columns=columns).astype({c: "Int64" for c in counts})
