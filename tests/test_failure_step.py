@@ -79,3 +79,54 @@ def test_the_first_failing_ranks_own_raise_is_the_calls_result(tmp_path: Path, m
     assert reason.endswith("the call's own error, its result: not run again"), reason
     assert not (tmp_path / "next").exists()
     assert len(results(run_dir)) == 2
+
+
+def killed(run_dir: RunDir, monkeypatch: pytest.MonkeyPatch, tmp: Path, attempt: int) -> str | None:
+    """Attempt `attempt` ended by a SIGKILL of rank 1 (the kernel's OOM killer, a node's hiccup):
+    no rank wrote an exit record. The failure step records it."""
+    failure_step_env(monkeypatch, tmp, attempt)
+    (tmp / "next").unlink(missing_ok=True)
+    return record_failed_step(run_dir, 137, "srun: error: node2: task 1: Killed\n")
+
+
+def test_unrelated_kills_between_disk_checkpoints_are_not_the_same_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restarts resume from in-memory snapshots; disk checkpoints may be half an hour apart, and
+    here there is none yet. Two SIGKILLs with training between them are two failures, told
+    apart by how far each attempt got (rank 0's progress.json and heartbeat); the same kill
+    with no step past the previous attempt's is the same failure again, and the run stops."""
+    from hpcrun import progress
+    from hpcrun.runtime import heartbeat
+
+    run_dir, _ = function_run(tmp_path)
+    progress.write(run_dir.progress, 40, 1000, 2.5, None, 0.1, JOB, 0, None)
+    reason = killed(run_dir, monkeypatch, tmp_path, 0)
+    assert reason and reason.startswith("rank 1 on node2: Killed (SIGKILL)") and "restarting in the job" in reason
+    # the next attempt resumed from a snapshot and got to step 90 before its own kill
+    progress.write(run_dir.progress, 90, 1000, 2.4, None, 0.1, JOB, 1, None)
+    reason = killed(run_dir, monkeypatch, tmp_path, 1)
+    assert reason and "restarting in the job (2 of 5)" in reason, reason
+    assert run_dir.state()["failure"] == {"error": "Killed (SIGKILL)", "resumed": None, "reached": 90}
+    # the third got no step past 90 (its heartbeat: step index 89 done; progress.json is the
+    # second attempt's, not its own): the same failure again
+    heartbeat.write(run_dir, JOB, 2, 0, 89, 0.0)
+    reason = killed(run_dir, monkeypatch, tmp_path, 2)
+    assert reason and reason.endswith("the same failure as the previous attempt (same error, no step past it): "
+                                      "not requeued"), reason
+    assert not (tmp_path / "next").exists()
+
+
+def test_how_far_the_peers_got_tells_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 killed without a record; rank 1 left one when its collective broke, with the step
+    it was in and where its attempt resumed. Further than the previous attempt: a new failure;
+    resumed from a snapshot and killed again short of it: the same one."""
+    run_dir, _ = function_run(tmp_path)
+    srun = "srun: error: node1: task 0: Killed\nsrun: error: node2: task 1: Exited with exit code 1\n"
+    for attempt, first, step, again in ((0, 0, 40, False), (1, 35, 60, False), (2, 55, 58, True)):
+        failure_step_env(monkeypatch, tmp_path, attempt)
+        write_exit_record(run_dir, JOB, attempt, 1, PEER_LEFT, step, {"first_step": first, "last_step": step})
+        reason = record_failed_step(run_dir, 137, srun)
+        assert reason and reason.startswith("rank 0 on node1: Killed (SIGKILL)"), reason
+        assert ("the same failure as the previous attempt" in reason) is again, (attempt, reason)
+        assert run_dir.state()["failure"] == {"error": "Killed (SIGKILL)", "resumed": first, "reached": step}

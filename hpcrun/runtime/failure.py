@@ -27,7 +27,7 @@ from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import FunctionJob
-from hpcrun.rundir import RunDir, newest_checkpoint, read_json, write_json
+from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
 from hpcrun.runtime import heartbeat
 from hpcrun.runtime.cause import Failure, first_failure, step_message
 from hpcrun.runtime.nodes import exclusions, partition_size, probed_nodes, restart_nodes
@@ -117,6 +117,58 @@ def write_exit_record(
     write_json(run_dir.exit_record(job_id, attempt, rank), json.loads(json.dumps(record, default=str)))
 
 
+def _said(path: Path) -> dict[str, tp.Any]:
+    """A JSON file a rank rewrites as it trains (a heartbeat, progress.json), or {}: one cut off
+    by the rank's death says nothing, and must not keep the attempt from being recorded."""
+    try:
+        value = read_json(path, {})
+    except CorruptStateError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def reached(
+    run_dir: RunDir, job_id: str, attempt: int, records: list[dict[str, tp.Any]]
+) -> tuple[int | None, int | None]:
+    """How far the attempt got, in steps done: the step it resumed at and the furthest it reached,
+    None where nothing says. The ranks' exit records say both (the step each failed in, its row's
+    first step); rank 0's heartbeat and progress.json, when they are this attempt's, how far it got
+    where no rank lived to write one. One file each: not every rank's heartbeat."""
+    rows = [r["row"] for r in records if isinstance(r.get("row"), dict)]
+    resumed = min((int(row["first_step"]) for row in rows if isinstance(row.get("first_step"), int)), default=None)
+    steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
+    beat = _said(run_dir.heartbeat(job_id, attempt, 0)).get("step")
+    if isinstance(beat, int) and beat >= 0:  # the index of its last completed step; -1: none yet
+        steps.append(beat + 1)
+    progress = _said(run_dir.progress)
+    if (progress.get("job_id"), progress.get("restart_count")) == (job_id, attempt) and isinstance(
+        progress.get("step"), int
+    ):
+        steps.append(int(progress["step"]))
+    return resumed, max(steps, default=None)
+
+
+def signature(error: str, resumed: int | None, furthest: int | None) -> dict[str, tp.Any]:
+    """What state.json keeps of a failure, for the next attempt's `same_again`."""
+    return {"error": error, "resumed": resumed, "reached": furthest}
+
+
+def same_again(previous: tp.Any, now: dict[str, tp.Any]) -> bool:
+    """The previous attempt's failure again: the same error (any rank, any node) and no progress
+    past the step the previous attempt reached. Restarts resume from in-memory snapshots, far more
+    often than disk checkpoints are written, so how far each attempt got is what tells progress,
+    not the newest checkpoint. An attempt that left no sign of a completed step made none; against
+    a previous attempt that left none (or a record written before this rule), progress is a step
+    past where this attempt resumed."""
+    if not isinstance(previous, dict) or previous.get("error") != now["error"]:
+        return False
+    if now["reached"] is None:
+        return True
+    if isinstance(previous.get("reached"), int):
+        return bool(now["reached"] <= previous["reached"])
+    return now["resumed"] is not None and now["reached"] <= now["resumed"]
+
+
 def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int, error: str) -> None:
     """A function job whose call raised: the tasks srun ended before they wrote an outcome (a
     peer's call raised first) get its error where submitit's Job looks, so `job.result()` says it."""
@@ -152,7 +204,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
     final = call_error is not None
     if call_error is not None and isinstance(spec.recipe.job, FunctionJob):
         failed_call(spec.recipe.job, run_dir, job_id, spec.world_size, call_error)
-    signature = failure.signature(newest_checkpoint(run_dir.checkpoints))
+    said_failure = signature(failure.what, *reached(run_dir, job_id, attempt, records))
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
     row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
@@ -200,8 +252,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         stopped = stop.came if stop is not None else None
         if final:
             reason += "; the call's own error, its result: not run again"
-        elif signature == previous:
-            reason += "; the same failure as the previous attempt (same step, same error): not requeued"
+        elif same_again(previous, said_failure):
+            reason += "; the same failure as the previous attempt (same error, no step past it): not requeued"
         elif nodes is not None and not stopped:
             decided["restart"] = nodes
             reason += f"; {RESTARTING} ({in_job + 1} of {spec.recipe.fault.restarts_in_job})"
@@ -221,7 +273,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         write_attempt(spec.results_dir, row)
         restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if "restart" in decided else 0)
         return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": attempt,
-                "step": row.get("last_step"), "failure": signature, jobstate.IN_JOB: restarts}
+                "step": row.get("last_step"), "failure": said_failure, jobstate.IN_JOB: restarts}
 
     run_dir.update_state(merge)
     if decided.get("restart") and next_file:
