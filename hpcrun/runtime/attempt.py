@@ -110,17 +110,27 @@ def stop_decision(ctx: Context) -> tuple[str, str | None, int | None]:
         return "failed", f"requeue cap reached ({caps.max_requeues} requeues); {where}", None
     if caps.max_timeouts is None:
         return "requeued", where, None
-    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
-    started = timeouts.allocation_start(ctx.run_dir, ctx.env.allocation_id, ctx.env.attempt, in_job)
-    if started is None:
+    limit = at_time_limit(ctx)
+    if limit is None:
         ctx.info("no record of when this job started: its stop is not counted as a timeout")
         return "requeued", where, None
-    if not timeouts.timed_out(started, ctx.flag.at or time.time(), ctx.spec.time_min, ctx.spec.signal_lead_s):
+    if not limit:
         return "requeued", f"{where}, before the time limit", None
     done = timeouts.counted(ctx.run_dir.state(), ctx.env.job_id)
     if done >= caps.max_timeouts:
         return "failed", f"timeout cap reached ({caps.max_timeouts} timeouts); {where}, at the time limit", None
     return "requeued", f"{where}, at the time limit (timeout {done + 1} of {caps.max_timeouts})", done + 1
+
+
+def at_time_limit(ctx: Context) -> bool | None:
+    """Whether this attempt's stop signal came at the job's time limit, judged as submitit's
+    has_timed_out does (hpcrun.runtime.timeouts); None: no record of when this start of the job
+    began (the batch script's), so no telling it from a preemption."""
+    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
+    started = timeouts.allocation_start(ctx.run_dir, ctx.env.allocation_id, ctx.env.attempt, in_job)
+    if started is None:
+        return None
+    return timeouts.timed_out(started, ctx.flag.at or time.time(), ctx.spec.time_min, ctx.spec.signal_lead_s)
 
 
 def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:

@@ -13,7 +13,12 @@ handler raises Interrupted in it (as submitit's own handler does). Rank 0 then h
 Checkpointable protocol: the callable's `__submitit_checkpoint__` or `checkpoint(*args, **kwargs)`
 returns the DelayedSubmission to run next, which replaces the run's pickle; the attempt then
 ends as a stopped one and hpcrun requeues it (hpcrun.runtime.attempt). A callable without
-`checkpoint` is called again from the start, as submitit does after a preemption.
+`checkpoint` is decided as submitit's SignalHandler decides it: stopped at its time limit (judged
+as has_timed_out does: hpcrun.runtime.attempt.at_time_limit), it is not requeued, and its result
+is submitit's error, "Job not requeued because: timed-out and not checkpointable."; preempted
+(any stop before the time limit, or one whose job start has no record to judge it by), it is
+requeued and called again from the start, as submitit requeues a preempted job whatever its
+callable.
 
 A stop may find the ranks in different collectives of the call's process group: hpcrun runs no
 collective there, rank 0 alone records the attempt and requeues it (hpcrun.runtime.attempt), and
@@ -29,14 +34,19 @@ from __future__ import annotations
 import os
 import signal
 import traceback
+import typing as tp
 from pathlib import Path
 
-from submitit.core.utils import DelayedSubmission, JobPaths
+from submitit.core.utils import DelayedSubmission, JobPaths, UncompletedJobError
 
 from hpcrun import executor
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import atomic_path
 from hpcrun.runtime.context import Context
+
+# submitit's reason for not requeueing a call without a checkpoint method at its time limit
+# (submitit.core.job_environment.SignalHandler)
+NOT_CHECKPOINTABLE = "timed-out and not checkpointable"
 
 
 class CallRaised(Exception):
@@ -84,18 +94,42 @@ def run_function(ctx: Context) -> None:
 
 def stopped(ctx: Context, delayed: DelayedSubmission, result: Path, signum: int) -> None:
     """The call was interrupted by a stop: rank 0 checkpoints it (submitit's protocol) and, should
-    the stop end the run, makes its error the call's result."""
+    the stop end the run, makes its error the call's result; at the time limit, a call it cannot
+    checkpoint ends with submitit's error (`not_checkpointable`)."""
     ctx.stopped = signal.Signals(signum).name
     if ctx.env.is_main:
+        if checkpoint_method(delayed) is None and ctx.spec.scheduler == "slurm" and _at_time_limit(ctx):
+            not_checkpointable(ctx, result)
         checkpoint(ctx, delayed)
         ctx.when_recorded.append(lambda: _if_ended(ctx, result))
     ctx.info(f"{ctx.stopped}: the call was interrupted, stopping for requeue")
 
 
-def checkpoint(ctx: Context, delayed: DelayedSubmission) -> None:
-    """submitit's Checkpointable protocol: the call to make next replaces the run's pickle."""
+def checkpoint_method(delayed: DelayedSubmission) -> tp.Callable[..., tp.Any] | None:
+    """The callable's side of submitit's Checkpointable protocol, if it has one."""
     function = delayed.function
     method = getattr(function, "__submitit_checkpoint__", None) or getattr(function, "checkpoint", None)
+    return tp.cast("tp.Callable[..., tp.Any] | None", method)
+
+
+def _at_time_limit(ctx: Context) -> bool:
+    from hpcrun.runtime.attempt import at_time_limit  # here: hpcrun.runtime.attempt imports this module
+
+    return bool(at_time_limit(ctx))
+
+
+def not_checkpointable(ctx: Context, result: Path) -> tp.NoReturn:
+    """A call without a checkpoint method stopped at its time limit: as under submitit, whose
+    handler raises UncompletedJobError into the call, its result is that error, and the call
+    raises it, so that the failure step neither restarts nor requeues the attempt."""
+    error = UncompletedJobError(f"Job not requeued because: {NOT_CHECKPOINTABLE}.")
+    executor.write_outcome(result, ("error", "".join(traceback.format_exception_only(error))))
+    raise CallRaised(f"{type(error).__name__}: {error} ({ctx.stopped} at the time limit; no checkpoint method)")
+
+
+def checkpoint(ctx: Context, delayed: DelayedSubmission) -> None:
+    """submitit's Checkpointable protocol: the call to make next replaces the run's pickle."""
+    method = checkpoint_method(delayed)
     if method is None:
         ctx.info("the callable has no checkpoint method: the requeued job calls it again from the start")
         return
