@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime as dt
 import hashlib
 import json
 import os
@@ -211,9 +212,13 @@ class _Save:
 class Checkpoints:
     """Save and find checkpoints of one run; collective: every rank calls `save` and `load`."""
 
-    def __init__(self, root: Path, env: DistEnv, keep: int, strategy: str, asynchronous: bool = False) -> None:
+    def __init__(self, root: Path, env: DistEnv, keep: int, strategy: str, asynchronous: bool = False,
+                 timeout_s: float | None = None) -> None:
         self.root, self.env, self.keep, self.strategy = root, env, keep, strategy
         self.asynchronous = asynchronous
+        # the writer group's: the recipe's fault.collective_timeout_s, so a peer lost mid-write ends
+        # the save in time, not after torch's 30-minute default (None)
+        self.timeout_s = timeout_s
         self.write_times: list[float] = []  # seconds from each save's start until it was durable
         self._pending: _Save | None = None
         self._group: tp.Any = None
@@ -225,7 +230,8 @@ class Checkpoints:
     def _writer_group(self) -> tp.Any:
         """Created at the first asynchronous save, which every rank reaches at the same step."""
         if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            timeout = dt.timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
         return self._group
 
     def save(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any], block: bool = False) -> float:
