@@ -156,7 +156,7 @@ def main() -> None:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
 
     def period(cost: float) -> tuple[int, str]:
-        """Steps between saves that each cost `cost`, and why: as a rank decides (SaveSchedule.decide)."""
+        """Steps between saves that each cost `cost`, and why: as a rank plans them (SaveSchedule.interval_s)."""
         cost = max(cost, LEAST_COST_S)
         if policy.steps is not None:
             return policy.steps, policy.explain(cost, measured=True)

@@ -50,9 +50,6 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
             flight_recorder_env(RunDir(spec.run_dir))  # read when the process group is created
         init_process_group(env, spec.recipe.fault.collective_timeout_s)
     ctx = Context(spec, env, FLAG)
-    # the asynchronous checkpoint writer's gloo group (made at the first save) waits for a lost peer
-    # no longer than training's collectives do; Context builds the Checkpoints without it
-    ctx.checkpoints.timeout_s = spec.recipe.fault.collective_timeout_s
     ctx.measured.restart_wait_s = waited
     if spec.scheduler == "slurm" and env.is_main:  # an attempt lost with its node left no record
         try:

@@ -8,7 +8,6 @@ decision to stop at a step boundary when a signal arrived.
 from __future__ import annotations
 
 import datetime as dt
-import math
 import os
 import signal
 import sys
@@ -20,13 +19,14 @@ import torch.distributed as dist
 
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
-from hpcrun.rundir import RunDir, local_scratch, nvme_job_dir
+from hpcrun.rundir import RunDir, local_scratch, manifest, nvme_job_dir
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import schedule, snapshot
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
-from hpcrun.runtime.schedule import SaveSchedule
+from hpcrun.runtime.schedule import BALLOT, RECENT_COSTS, SaveSchedule
 from hpcrun.runtime.steps import StepRecorder
+from hpcrun.runtime.vote import StopVote
 from hpcrun.runtime.watchdog import Watchdog
 from hpcrun.signals import SignalFlag
 from hpcrun.strategies.contract import Engine, OptimizerFactory
@@ -43,7 +43,8 @@ class Context:
         self.rank, self.local_rank, self.world_size, self.device = env.rank, env.local_rank, env.world_size, env.device
         checkpoint = spec.recipe.checkpoint
         self.checkpoints = ckpt.Checkpoints(
-            self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous
+            self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous,
+            timeout_s=spec.recipe.fault.collective_timeout_s,  # the writer's group waits for a lost peer no longer
         )
         self.snapshots: snapshot.Snapshots | None = None  # built by `setup`, for an engine that keeps them
         self.resumed_from: str | None = None  # memory, replica or disk: the results row's `resumed_from`
@@ -54,6 +55,7 @@ class Context:
         self.stopped: str | None = None
         self.started = dt.datetime.now(dt.timezone.utc)
         self.restored_losses: list[float] = []  # global losses of earlier attempts
+        self.restored: dict[str, tp.Any] = {}  # the trainer state this attempt resumed from
         self.step_metrics: dict[str, float] = {}  # what `log` was given during the current step
         self.recorder: StepRecorder | None = None
         # the training thread's time in each part of hpcrun's per-step work, saves apart
@@ -89,6 +91,7 @@ class Context:
         elif found:
             state, self.resumed_from = self.checkpoints.load(self.engine, found[1]), "disk"
         if restored or found:
+            self.restored = state
             self.start_step = int(state["step"])
             self.restored_losses = list(state.get("losses", []))
             if "rank_losses" in state:  # a snapshot's: the mean over ranks, as global_losses takes it
@@ -125,17 +128,19 @@ class Context:
                     torch.cuda.synchronize(self.device)
                 parts = [time.perf_counter()]  # from here to the save (or the next step): hpcrun's own work
                 done = step + 1
-                stop, flush, probing = self.vote.step_end(done, total, parts[0] - start, recorder)
+                agreed = self.vote.read(done, total, parts[0] - start)
+                stop = agreed.signum
                 parts.append(time.perf_counter())
                 self.checkpoints.poll()
                 parts.append(time.perf_counter())
                 saving = done == total or bool(stop)
-                periodic = not saving and disk.due(done, self.start_step) and disk.decide(done, self.checkpoints.busy)
+                ballots = list(agreed.ballots) if agreed.ballots else None
+                periodic = not saving and disk.wants(done, ballots and ballots[:BALLOT])
                 saving = saving or periodic
                 loss = self.measured.losses[-1] if len(self.measured.losses) > recorded else None
                 recorder.record(done, parts[-1] - start, loss, self.step_metrics)
-                if flush or saving:  # every checkpointed step is in the steps table before its checkpoint
-                    recorder.flush(probing=probing)
+                if agreed.flush or saving:  # every checkpointed step is in the steps table before its checkpoint
+                    recorder.flush(probing=agreed.probing)
                 parts.append(time.perf_counter())
                 # a step's time includes hpcrun's own per-step work and a flush; a save's stall is counted apart
                 self.measured.step_times.append(parts[-1] - start)
@@ -154,9 +159,12 @@ class Context:
                         stall = self.save(done, block=done == total or bool(stop))
                     if periodic:
                         disk.started(stall)
-                elif memory and memory.due(done, self.start_step) and memory.decide(done, snapshot_busy):
+                elif memory and memory.wants(done, ballots and ballots[BALLOT:]):
                     with watchdog.saving():
                         memory.started(self.snapshot(done))
+                began = time.perf_counter()
+                self.vote.cast(done, total, recorder, [b for kind in self.cadence for b in kind.ballot()])
+                self.own_s["stop vote"] += time.perf_counter() - began
                 self.measured.mark(warmup)
                 if stop and done < total:
                     self.stopped = signal.Signals(stop).name
@@ -202,36 +210,49 @@ class Context:
         )
 
     def schedules(self) -> tuple[SaveSchedule, SaveSchedule | None]:
-        """The cadence of disk checkpoints (a save due waits for the one before) and, when this
-        rank keeps them, of in-memory snapshots (one due while the last is in flight is skipped)."""
+        """The cadence of disk checkpoints (one due waits for the write before) and, when this rank
+        keeps them, of in-memory snapshots (one due while the last is in flight is skipped), with the
+        costs earlier attempts measured (their trainer state carries them)."""
         def measured() -> float:
             return schedule.state_bytes(self.engine)
 
-        # the disk's clock runs from its newest checkpoint, which a restart from memory is past
-        on_disk = ckpt.latest(self.checkpoints.root)
+        costs = self.restored.get("save_costs") or {}
         disk = SaveSchedule(
             self.spec.cadence("checkpoint"), self.env, skips=False, state_bytes=measured,
-            last=on_disk[0] if on_disk else 0,
+            busy=lambda: self.checkpoints.busy,
+            since_s=self.unsaved_on_disk_s(), costs=costs.get("checkpoint", ()), first_allocates=True,
         )
         memory = (
-            SaveSchedule(self.spec.cadence("snapshot"), self.env, skips=True, state_bytes=measured)
+            SaveSchedule(
+                self.spec.cadence("snapshot"), self.env, skips=True, state_bytes=measured,
+                busy=lambda: bool(self.snapshots and self.snapshots.busy),
+                costs=costs.get("snapshot", ()),
+            )
             if self.snapshots else None
         )
         self.cadence = [s for s in (disk, memory) if s is not None]
         return disk, memory
 
+    def unsaved_on_disk_s(self) -> float:
+        """The training time this attempt starts with that no disk checkpoint holds: a restart from
+        an in-memory snapshot is past the newest disk checkpoint by the time between the two saves."""
+        on_disk = ckpt.latest(self.checkpoints.root)
+        saved_at = self.restored.get("saved_at")
+        if self.resumed_from in (None, "disk") or not isinstance(saved_at, float):
+            return 0.0
+        if on_disk is None:
+            return float("inf")  # none yet: due at once
+        return max(0.0, saved_at - manifest(on_disk[1]).stat().st_mtime)
+
     def cadence_lines(self) -> list[str]:
-        """How saves are spaced in this attempt, and what they cost (progress.json, the log)."""
-        lines = []
-        for kind in self.cadence:
-            line = kind.explanation
-            if kind.costs:
-                line += f"; {len(kind.costs)} measured at {sum(kind.costs) / len(kind.costs):.2f} s each"
-            if kind.skipped:
-                line += f", {kind.skipped} skipped (the one before still in flight, or the buffers not yet allocated)"
-            if line:
-                lines.append(line)
-        return lines
+        """How saves are spaced in this attempt, what it did, and what they cost (progress.json, the log)."""
+        return [line for line in (kind.summary() for kind in self.cadence) if line]
+
+    def trainer_state(self, step: int) -> dict[str, tp.Any]:
+        """What every save holds beside the engine's state: the step, when it was saved, and what
+        saves of each kind measured (a restart plans from them, not from an estimate)."""
+        costs = {kind.policy.kind: (kind.carried + kind.costs)[-RECENT_COSTS:] for kind in self.cadence}
+        return {"step": step, "saved_at": time.time(), "save_costs": costs}
 
     def global_losses(self) -> list[float]:
         """The loss of every step so far on the global batch (collective: the mean over ranks
@@ -245,7 +266,7 @@ class Context:
 
     def save(self, step: int, block: bool) -> float:
         """A disk checkpoint of `step`; returns the seconds training was held."""
-        state = {"step": step, "losses": self.global_losses()}
+        state = {**self.trainer_state(step), "losses": self.global_losses()}
         self.measured.checkpoint_saves.append(self.checkpoints.save(self.engine, step, state, block))
         return self.measured.checkpoint_saves[-1]
 
@@ -255,7 +276,7 @@ class Context:
         assert self.snapshots is not None
         # this rank's own losses: their mean over ranks (global_losses) is taken at the restore, so
         # that a snapshot waits for no other rank
-        state = {"step": step, "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
+        state = {**self.trainer_state(step), "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
         self.measured.snapshot_stalls.append(self.snapshots.save(self.engine, step, state))
         return self.measured.snapshot_stalls[-1]
 
@@ -283,63 +304,3 @@ class Context:
     def info(self, message: str) -> None:
         if self.env.is_main or os.environ.get("HPCRUN_LOG_ALL_RANKS"):
             print(f"[hpcrun rank {self.rank}] {message}", flush=True)
-
-
-class StopVote:
-    """Every rank learns whether any rank was signalled to stop, and whether any wants the metrics
-    flushed (and slow ranks probed) at the next flush: one tiny all-reduce (MAX), cast at one
-    step's end and read where the next is cast, at least one step and EVERY_S later. Read at once,
-    it would hold every step until the slowest rank arrived; read later it has long completed.
-    Each vote also carries the slowest step any rank made since the vote before, from which every
-    rank computes the same number of steps to the next one. The price: a stop signal is acted on up
-    to two vote intervals after it arrives (README, "Stop latency"). Every rank reads the same
-    result at the same step, so all stop together."""
-
-    EVERY_S = 0.25  # the least time between votes: ~0.2 ms each, nothing measurable at this spacing
-
-    def __init__(self, env: DistEnv, flag: SignalFlag) -> None:
-        self.env, self.flag = env, flag
-        self.pending: tuple[tp.Any, torch.Tensor] | None = None
-        self.next_at: int | None = None  # the step (completed count) of the next vote; None: this one
-        self.every = 1
-        self.slowest_s = 0.0  # this rank's slowest step since its last cast
-
-    def step_end(self, done: int, total: int, step_s: float, recorder: StepRecorder) -> tuple[int, bool, bool]:
-        """At the end of step `done`: the signal number (0: none), the flush wish and the probe
-        wish of the vote read here, if one is due (none at an attempt's first step)."""
-        self.slowest_s = max(self.slowest_s, step_s)
-        if self.next_at is not None and done < self.next_at:
-            return 0, False, False
-        signum, flush, probing, step_us = self._read()
-        if step_us:
-            self.every = max(1, math.ceil(self.EVERY_S * 1e6 / step_us))
-        if not signum and done < total:
-            self._cast(
-                [
-                    self.flag.signum or 0,
-                    int(recorder.due(ahead=self.every)),
-                    int(recorder.probe_due()),
-                    round(self.slowest_s * 1e6),
-                ]
-            )
-            self.slowest_s = 0.0
-            self.next_at = min(done + self.every, total)  # the last step reads it: none left in flight
-        return signum, flush, probing
-
-    def _cast(self, votes: list[int]) -> None:
-        local = torch.tensor(votes, dtype=torch.int64, device=self.env.device)
-        work = (
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True)
-            if dist.is_initialized() and self.env.world_size > 1
-            else None
-        )
-        self.pending = (work, local)
-
-    def _read(self) -> tuple[int, bool, bool, int]:
-        if self.pending is None:
-            return 0, False, False, 0
-        (work, votes), self.pending = self.pending, None
-        if work is not None:
-            work.wait()
-        signum, flush, probing, step_us = votes.tolist()
-        return int(signum), bool(flush), bool(probing), int(step_us)

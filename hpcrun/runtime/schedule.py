@@ -7,10 +7,15 @@ excess over the median of recent steps with nothing in flight. On a GPU node tha
 near zero; on CPU ranks sharing cores with the writer it is most of the cost, and the in-process
 stall alone would hide it.
 
-Every rank takes the same decisions at the same steps: a due step is decided by one small
-all-reduce (MAX) of [busy, cost, step time], so the interval comes from the slowest rank's
-figures and a snapshot still in flight on any rank is skipped by all (the background halves
-meet in collectives of their own, which must pair up).
+A save spaced by time is due by the wall clock: each rank casts, with the stop vote
+(hpcrun.runtime.context `StopVote`, every ~0.25 s whatever the step time), whether its clock says
+the interval since the last save has passed, whether its last save is still in flight, and its
+measured cost; every rank reads the MAX of those at the same step and decides alike. So the
+interval comes from the slowest rank's figures, a save in flight on any rank holds the next one
+back (a snapshot due then is skipped and tried again a quarter interval later; a disk checkpoint
+waits for the write), and no step count planned at one step time outlives a change of pace. A
+recipe's explicit interval in steps is decided by step numbers, with one all-reduce of `busy` at
+each due step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import collections
 import dataclasses
 import math
 import statistics
+import time
 import typing as tp
 
 import torch
@@ -26,9 +32,6 @@ import torch.distributed as dist
 
 from hpcrun.cadence import Policy, estimated_cost_s
 from hpcrun.runtime.env import DistEnv
-
-FIRST_DECISION_STEPS = 5
-"""A save spaced by time is first planned this many steps into an attempt, once step times are known."""
 
 RETRY_SHARE = 4
 """A skipped save is tried again after this fraction of its interval."""
@@ -39,6 +42,9 @@ tensors hide their size, DeepSpeed's) must not be saved every step."""
 
 RECENT_COSTS = 3
 """The median of the last few measured costs decides: one noisy save does not."""
+
+BALLOT = 3
+"""The integers one kind of save casts in the stop vote: due by this rank's clock, in flight, cost (us)."""
 
 
 @dataclasses.dataclass
@@ -51,67 +57,117 @@ class _Flight:
 
 
 class SaveSchedule:
-    """One kind of save (disk checkpoint or in-memory snapshot) on one rank: `due`, then the
-    collective `decide`; `started` when a save began, `observe` after every step."""
+    """One kind of save (disk checkpoint or in-memory snapshot) on one rank. By time: `ballot`
+    at each vote this rank casts, `wants` with what the vote agreed; by steps: `wants` at every
+    step. `started` when a save began, `observe` after every step."""
 
     def __init__(
-        self, policy: Policy, env: DistEnv, skips: bool, state_bytes: tp.Callable[[], float], last: int | None = None
+        self,
+        policy: Policy,
+        env: DistEnv,
+        skips: bool,
+        state_bytes: tp.Callable[[], float],
+        busy: tp.Callable[[], bool],
+        *,
+        since_s: float = 0.0,
+        costs: tp.Sequence[float] = (),
+        first_allocates: bool = False,
+        clock: tp.Callable[[], float] = time.monotonic,
     ) -> None:
-        """`last`: the step of the newest save of this kind this attempt starts after (the disk
-        checkpoint a restart from memory did not resume from), the same on every rank."""
-        self.policy, self.env, self.skips, self.state_bytes = policy, env, skips, state_bytes
-        self.costs: list[float] = []  # measured, one per save whose background half ended
+        """`since_s`: how long ago the newest save of this kind was made (a restart from memory
+        past the newest disk checkpoint: its clock keeps running). `costs`: what saves of this
+        kind measured in earlier attempts of the run (their trainer state carries them), which
+        replace the estimate. `first_allocates`: this attempt's first save allocates its host
+        buffers on the training thread (the disk checkpoint's stager), so its cost stands only
+        until a second is measured."""
+        self.policy, self.env, self.skips, self.clock = policy, env, skips, clock
+        self.state_bytes, self.busy = state_bytes, busy
+        self.carried = list(costs)
+        self.costs: list[float] = []  # measured in this attempt, one per save whose background half ended
+        self.first_allocates = first_allocates
         self.skipped = 0
+        self.saves: list[float] = []  # this attempt's clock at each save of this kind
         self.explanation = policy.explain(0.0, measured=False) if policy.steps is not None else ""
-        self._next: int | None = None  # by time: the step of the next decision
-        self._first = True
-        self._last = last  # the step of the last save of this kind
+        self.agreed_cost_s: float | None = None  # the slowest rank's cost, as the last vote agreed
+        self._last = clock() - since_s  # the clock at the last save of this kind
+        self._retry_at = -math.inf
+        self._estimate_s: float | None = None
         self._clean: collections.deque[float] = collections.deque(maxlen=64)  # step times, nothing in flight
         self._flight: _Flight | None = None
 
-    def due(self, done: int, start: int) -> bool:
-        """Whether the step count `done` (an attempt that began at `start`) is a decision point;
-        the same answer on every rank."""
-        if self.policy.steps is not None:
-            return done % self.policy.steps == 0
-        if self._next is None:
-            return done >= start + FIRST_DECISION_STEPS
-        return done >= self._next
+    def cost_s(self) -> tuple[float, bool]:
+        """This rank's cost of one save, and whether it was measured (in this attempt or an earlier one)."""
+        own = self.costs[1:] if self.first_allocates and len(self.costs) > 1 else self.costs
+        if self.carried and self.first_allocates and len(self.costs) == 1:
+            own = []  # the one-off allocation's save: an earlier attempt's figures are nearer the truth
+        recent = (self.carried + own)[-RECENT_COSTS:]
+        if recent:
+            return max(statistics.median(recent), LEAST_COST_S), True
+        if self._estimate_s is None:  # the state's size once: it does not change within an attempt
+            self._estimate_s = estimated_cost_s(self.state_bytes(), self.env.device.type == "cuda")
+        return max(self._estimate_s, LEAST_COST_S), False
 
-    def decide(self, done: int, busy: bool) -> bool:
-        """Collective, at a due step: whether to save now. Also plans the next decision."""
-        measured = bool(self.costs)
-        cost = (
-            statistics.median(self.costs[-RECENT_COSTS:]) if measured
-            else estimated_cost_s(self.state_bytes(), self.env.device.type == "cuda")
-        )
-        any_busy, cost, step_s = self._agree(busy, cost, self._baseline() or 0.0)
-        cost = max(cost, LEAST_COST_S)
-        first, self._first = self._first, False
-        if self.policy.steps is None:
-            self.explanation = self.policy.explain(cost, measured)
-            steps = max(1, math.ceil(self.policy.interval_s(cost) / step_s)) if step_s > 0 else FIRST_DECISION_STEPS
-            if first:  # the first decision only plans, from the last save of this kind (or the start)
-                self._next = max(done + 1, (done if self._last is None else self._last) + steps)
+    def interval_s(self) -> float:
+        """Seconds between saves, from the agreed cost once a vote agreed one (this rank's before)."""
+        cost = self.agreed_cost_s if self.agreed_cost_s is not None else self.cost_s()[0]
+        return self.policy.interval_s(cost)
+
+    def ballot(self) -> list[int]:
+        """What this rank casts in the stop vote (BALLOT integers): whether its clock says a save
+        of this kind is due, whether its last one is still in flight, and its cost in microseconds."""
+        now = self.clock()
+        due = now >= max(self._last + self.interval_s(), self._retry_at)
+        return [int(due), int(self.busy()), round(self.cost_s()[0] * 1e6)]
+
+    def wants(self, done: int, agreed: tp.Sequence[int] | None) -> bool:
+        """Whether to save after step `done`, the same answer on every rank. By time: `agreed` is
+        the MAX over ranks of their ballots when a vote was read at this step (None: none was).
+        By steps: collective at every `policy.steps`-th step (MAX of `busy`)."""
+        if self.policy.steps is not None:
+            if done % self.policy.steps:
                 return False
-            if self._last is not None and done - self._last < steps:  # the last save cost more than planned
-                self._next = self._last + steps
-                return False
-            retry = any_busy and self.skips
-            self._next = done + (max(1, steps // RETRY_SHARE) if retry else steps)
+            return self._go(self._any_busy(self.busy()))
+        if agreed is None:
+            return False
+        due, any_busy, cost_us = agreed
+        self.agreed_cost_s = cost_us / 1e6
+        self.explanation = self.policy.explain(self.agreed_cost_s, self.cost_s()[1])
+        if not due:
+            return False
+        if any_busy and not self.skips:
+            return False  # a disk checkpoint waits for the write before it: due again at the next vote
+        if any_busy:
+            self._retry_at = self.clock() + self.interval_s() / RETRY_SHARE
+        return self._go(bool(any_busy))
+
+    def _go(self, any_busy: bool) -> bool:
         if any_busy and self.skips:
             self.skipped += 1
             return False
-        self._last = done
+        self._last = self.clock()
+        self.saves.append(self._last)
         return True
 
-    def _agree(self, busy: bool, cost_s: float, step_s: float) -> tuple[bool, float, float]:
-        values = [int(busy), round(cost_s * 1e6), round(step_s * 1e6)]
+    def _any_busy(self, busy: bool) -> bool:
         if dist.is_initialized() and self.env.world_size > 1:
-            tensor = torch.tensor(values, dtype=torch.int64, device=self.env.device)
+            tensor = torch.tensor([int(busy)], dtype=torch.int64, device=self.env.device)
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-            values = [int(v) for v in tensor.tolist()]
-        return bool(values[0]), values[1] / 1e6, values[2] / 1e6
+            return bool(tensor.item())
+        return busy
+
+    def summary(self) -> str:
+        """What this attempt did, after what it planned (the log, progress.json)."""
+        line = self.explanation
+        if self.saves:
+            gaps = [b - a for a, b in zip(self.saves, self.saves[1:])]
+            line += f"; {len(self.saves)} made"
+            if gaps:
+                line += f", {statistics.mean(gaps):.1f} s apart on average (the closest {min(gaps):.1f} s)"
+        if self.costs:
+            line += f", {len(self.costs)} measured at {statistics.mean(self.costs):.2f} s each"
+        if self.skipped:
+            line += f", {self.skipped} skipped (the one before still in flight, or the buffers not yet allocated)"
+        return line
 
     def _baseline(self) -> float | None:
         """The median recent step with nothing in flight."""

@@ -159,7 +159,7 @@ class StepRecorder:
 
     def due(self, ahead: int = 0) -> bool:
         """Whether this rank would flush `ahead` steps after the step now ending (all ranks then
-        agree: hpcrun.runtime.context `StopVote` carries the wish a step ahead)."""
+        agree: hpcrun.runtime.vote `StopVote` carries the wish a step ahead)."""
         return (
             len(self.pending) + 1 + ahead >= self.config.flush_steps
             or time.monotonic() - self.last_flush >= self.config.flush_seconds
