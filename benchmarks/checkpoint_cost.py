@@ -16,7 +16,7 @@ Shares of wall time: a save's cost over the period between two saves (the steps 
 the cost). The period is the one hpcrun's defaults give (`checkpoint.interval` None: by time,
 hpcrun.cadence): the interval the run's `cadence("checkpoint")` policy (the site's node MTBF, one
 node) chooses for the measured cost, in steps of the measured step time as the ranks convert it
-(hpcrun.runtime.schedule), the cost counted as they count it (the stall plus the slowed steps'
+(hpcrun.runtime.cadence), the cost counted as they count it (the stall plus the slowed steps'
 excess, never less than the stall; a synchronous save's is its stall). By construction that share
 is at most `checkpoint.overhead` (1%); the figure says how far below it is and the cadence line
 which bound set the interval. `--interval N` takes every N steps instead (`checkpoint.interval: N`;
@@ -74,9 +74,9 @@ def main() -> None:
     from hpcrun.recipe import Recipe
     from hpcrun.rundir import step_dir
     from hpcrun.runtime import checkpoint as ckpt
+    from hpcrun.runtime.cadence import LEAST_COST_S
     from hpcrun.runtime.env import DistEnv, cpu_threads
     from hpcrun.runtime.model import GPT, synthetic_batch
-    from hpcrun.runtime.schedule import LEAST_COST_S
     from hpcrun.site import load_site
     from hpcrun.sizes import SIZES
 
@@ -140,7 +140,7 @@ def main() -> None:
                 "disk": disk,
                 "sync_stall": sync_stall,
                 "stall": stall,
-                "cost": stall + max(0.0, spent - stall - k * step),  # as SaveSchedule.observe counts it
+                "cost": stall + max(0.0, spent - stall - k * step),  # as Cadence.observe counts it
                 "in_flight": k,
                 "writer": nbytes / (idle_write - copy),
                 "end_to_end": nbytes / idle_write,
@@ -156,7 +156,7 @@ def main() -> None:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
 
     def period(cost: float) -> tuple[int, str]:
-        """Steps between saves that each cost `cost`, and why: as a rank plans them (SaveSchedule.interval_s)."""
+        """Steps between saves that each cost `cost`, and why: as a rank plans them (Cadence.interval_s)."""
         cost = max(cost, LEAST_COST_S)
         if policy.steps is not None:
             return policy.steps, policy.explain(cost, measured=True)

@@ -1,6 +1,6 @@
 """When to save: the interval between disk checkpoints and between in-memory snapshots, from what
 a save costs and how often the job is expected to fail. Pure data and arithmetic (the login
-node's `plan` shows it; the ranks decide with it, hpcrun.runtime.schedule).
+node's `plan` shows it; the ranks decide with it, hpcrun.runtime.cadence).
 
 A save costs time while nothing fails (the training thread's stall, and the slower steps while
 its background work runs); it saves, when a failure comes, the work since the previous one. With

@@ -1,8 +1,8 @@
-"""How saves are spaced (hpcrun.cadence, hpcrun.runtime.schedule): by measured cost and expected
+"""How saves are spaced (hpcrun.cadence, hpcrun.runtime.cadence): by measured cost and expected
 time between failures, in seconds, bounded by the wall clock, agreed across ranks; a snapshot due
 while the last is in flight is skipped, not waited for, and a disk checkpoint waits for its write.
 
-The property tests run a simulated step-time trace through the real SaveSchedule and the real
+The property tests run a simulated step-time trace through the real Cadence and the real
 StopVote on a simulated clock, as the training loop (hpcrun.runtime.context) drives them."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hpcrun.cadence import Policy
+from hpcrun.runtime.cadence import BALLOT, Cadence
 from hpcrun.runtime.env import DistEnv
-from hpcrun.runtime.schedule import BALLOT, SaveSchedule
 from hpcrun.runtime.vote import StopVote
 from hpcrun.signals import SignalFlag
 
@@ -72,7 +72,7 @@ class Rank:
 
     now: float = 0.0
     ends: dict[str, float] = dataclasses.field(default_factory=dict)
-    kinds: list[SaveSchedule] = dataclasses.field(default_factory=list)
+    kinds: list[Cadence] = dataclasses.field(default_factory=list)
 
     def busy(self, kind: str) -> tp.Callable[[], bool]:
         return lambda: self.now < self.ends.get(kind, -1.0)
@@ -119,13 +119,13 @@ def simulate(
             return rank.now
 
         rank.kinds = [
-            SaveSchedule(policy(max_min=disk_max_min, kind="checkpoint"), ENV, skips=False,
+            Cadence(policy(max_min=disk_max_min, kind="checkpoint"), ENV, skips=False,
                          state_bytes=lambda: 1e8, busy=rank.busy("checkpoint"), clock=clock,
                          first_allocates=True, costs=costs),
         ]
         if memory is not None:
             rank.kinds.append(
-                SaveSchedule(policy(kind="snapshot"), ENV, skips=True, state_bytes=lambda: 1e8,
+                Cadence(policy(kind="snapshot"), ENV, skips=True, state_bytes=lambda: 1e8,
                              busy=rank.busy("snapshot"), clock=clock)
             )
     saves: dict[str, list[tuple[int, float]]] = {"checkpoint": [], "snapshot": []}
@@ -237,9 +237,9 @@ def test_the_first_disk_save_s_one_off_allocation_does_not_stand_for_the_rest() 
 def test_measured_costs_carried_into_a_restart_replace_the_estimate() -> None:
     """An earlier attempt measured 0.2 s a checkpoint of a state estimated at 5 s (1 GB on CPU
     ranks): the restart plans from 0.2 s, and its first save's one-off allocation does not count."""
-    fresh = SaveSchedule(policy(kind="checkpoint"), ENV, skips=False, state_bytes=lambda: 1e9, busy=lambda: False)
+    fresh = Cadence(policy(kind="checkpoint"), ENV, skips=False, state_bytes=lambda: 1e9, busy=lambda: False)
     assert fresh.cost_s() == (5.0, False)
-    carried = SaveSchedule(
+    carried = Cadence(
         policy(kind="checkpoint"), ENV, skips=False, state_bytes=lambda: 1e9, busy=lambda: False,
         costs=[0.2, 0.2], first_allocates=True,
     )
@@ -250,7 +250,7 @@ def test_measured_costs_carried_into_a_restart_replace_the_estimate() -> None:
 
 
 def test_the_cost_counts_the_steps_slowed_beside_the_background_half() -> None:
-    schedule = SaveSchedule(policy(), ENV, skips=True, state_bytes=lambda: 0.0, busy=lambda: False)
+    schedule = Cadence(policy(), ENV, skips=True, state_bytes=lambda: 0.0, busy=lambda: False)
     for _ in range(10):
         schedule.observe(0.05, busy=False, anything_busy=False)
     schedule.started(0.1)
@@ -262,12 +262,12 @@ def test_the_cost_counts_the_steps_slowed_beside_the_background_half() -> None:
 
 def test_a_snapshot_due_while_the_last_is_in_flight_is_skipped() -> None:
     busy = [False]
-    schedule = SaveSchedule(policy(steps=2), ENV, skips=True, state_bytes=lambda: 0.0, busy=lambda: busy[0])
+    schedule = Cadence(policy(steps=2), ENV, skips=True, state_bytes=lambda: 0.0, busy=lambda: busy[0])
     assert [d for d in range(1, 7) if d % 2 == 0 and schedule.wants(d, None)] == [2, 4, 6]
     busy[0] = True
     assert not schedule.wants(8, None) and schedule.skipped == 1
     assert not schedule.wants(9, None) and schedule.skipped == 1, "not a due step"
-    disk = SaveSchedule(policy(steps=2), ENV, skips=False, state_bytes=lambda: 0.0, busy=lambda: True)
+    disk = Cadence(policy(steps=2), ENV, skips=False, state_bytes=lambda: 0.0, busy=lambda: True)
     assert disk.wants(2, None), "a disk checkpoint due by steps is never skipped: it waits for the one before"
 
 
@@ -275,7 +275,7 @@ def test_the_first_save_by_time_waits_for_its_estimated_cost() -> None:
     """Before anything is measured the cost is estimated from the state's size: 0.55 GB on CPU
     ranks (5 s per GB) is first snapshotted no sooner than 100 x 2.75 s into the run."""
     now = [0.0]
-    schedule = SaveSchedule(
+    schedule = Cadence(
         policy(max_min=1.0), ENV, skips=True, state_bytes=lambda: 0.55e9, busy=lambda: False, clock=lambda: now[0]
     )
     now[0] = 274.0
@@ -289,7 +289,7 @@ def test_a_restart_from_memory_keeps_the_disk_clock() -> None:
     """An attempt that resumed from an in-memory snapshot taken 40 minutes of training after the
     newest disk checkpoint: the disk's 30-minute interval ran out long ago, so it saves at its first
     vote, not an interval after the restart (a burst of faults would never reach the disk)."""
-    disk = SaveSchedule(
+    disk = Cadence(
         policy(kind="checkpoint", max_min=30), ENV, skips=False, state_bytes=lambda: 0.55e9, busy=lambda: False,
         since_s=40 * 60,
     )

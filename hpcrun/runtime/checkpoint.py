@@ -264,8 +264,10 @@ class Checkpoints:
 
     @property
     def busy(self) -> bool:
-        """Whether a save is still being written (as of the last `poll`)."""
-        return self._pending is not None
+        """Whether a save is still being written, now (as `Snapshots.busy`): one written but not yet
+        made visible by `poll` is not."""
+        pending = self._pending
+        return pending is not None and (pending.future is None or not pending.future.done())
 
     def poll(self) -> None:
         """Between steps, no collective: make a finished background save visible. A failed one

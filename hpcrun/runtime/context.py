@@ -20,11 +20,11 @@ import torch.distributed as dist
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
 from hpcrun.rundir import RunDir, local_scratch, manifest, nvme_job_dir
+from hpcrun.runtime import cadence, snapshot
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime import schedule, snapshot
+from hpcrun.runtime.cadence import BALLOT, RECENT_COSTS, Cadence
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
-from hpcrun.runtime.schedule import BALLOT, RECENT_COSTS, SaveSchedule
 from hpcrun.runtime.steps import StepRecorder
 from hpcrun.runtime.vote import StopVote
 from hpcrun.runtime.watchdog import Watchdog
@@ -61,7 +61,7 @@ class Context:
         # the training thread's time in each part of hpcrun's per-step work, saves apart
         self.own_s = dict.fromkeys(("stop vote", "checkpoint poll", "metrics", "watchdog"), 0.0)
         self.vote = StopVote(env, flag)
-        self.cadence: list[SaveSchedule] = []  # how this attempt spaces its saves (`steps`)
+        self.cadences: list[Cadence] = []  # how this attempt spaces its saves (`steps`)
         # run once the attempt's results row and state.json are written (a function job's result
         # pickle: whoever sees the result finds the run's record already there)
         self.when_recorded: list[tp.Callable[[], None]] = []
@@ -106,7 +106,7 @@ class Context:
     def steps(self) -> tp.Iterator[int]:
         """Step numbers from where this run left off. Between steps: the step's metrics
         (hpcrun.runtime.steps), disk checkpoints and in-memory snapshots when their cadence
-        (hpcrun.runtime.schedule) says, and the collective decision to stop on a signal
+        (hpcrun.runtime.cadence) says, and the collective decision to stop on a signal
         (checkpoint, then leave the loop)."""
         total = self.recipe.training.steps
         self.recorder = recorder = StepRecorder(self, total)
@@ -114,7 +114,7 @@ class Context:
         watchdog = Watchdog(
             self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
         )
-        disk, memory = self.schedules()
+        disk, memory = self.make_cadences()
         warmup = self.recipe.training.warmup_steps
         try:
             self.measured.mark(warmup)  # the wall clock the results row's wall_tokens_per_s is measured on
@@ -163,7 +163,7 @@ class Context:
                     with watchdog.saving():
                         memory.started(self.snapshot(done))
                 began = time.perf_counter()
-                self.vote.cast(done, total, recorder, [b for kind in self.cadence for b in kind.ballot()])
+                self.vote.cast(done, total, recorder, [b for kind in self.cadences for b in kind.ballot()])
                 self.own_s["stop vote"] += time.perf_counter() - began
                 self.measured.mark(warmup)
                 if stop and done < total:
@@ -209,28 +209,28 @@ class Context:
             on_slurm=spec.scheduler == "slurm",
         )
 
-    def schedules(self) -> tuple[SaveSchedule, SaveSchedule | None]:
+    def make_cadences(self) -> tuple[Cadence, Cadence | None]:
         """The cadence of disk checkpoints (one due waits for the write before) and, when this rank
         keeps them, of in-memory snapshots (one due while the last is in flight is skipped), with the
         costs earlier attempts measured (their trainer state carries them)."""
         def measured() -> float:
-            return schedule.state_bytes(self.engine)
+            return cadence.state_bytes(self.engine)
 
         costs = self.restored.get("save_costs") or {}
-        disk = SaveSchedule(
+        disk = Cadence(
             self.spec.cadence("checkpoint"), self.env, skips=False, state_bytes=measured,
             busy=lambda: self.checkpoints.busy,
             since_s=self.unsaved_on_disk_s(), costs=costs.get("checkpoint", ()), first_allocates=True,
         )
         memory = (
-            SaveSchedule(
+            Cadence(
                 self.spec.cadence("snapshot"), self.env, skips=True, state_bytes=measured,
                 busy=lambda: bool(self.snapshots and self.snapshots.busy),
                 costs=costs.get("snapshot", ()),
             )
             if self.snapshots else None
         )
-        self.cadence = [s for s in (disk, memory) if s is not None]
+        self.cadences = [c for c in (disk, memory) if c is not None]
         return disk, memory
 
     def unsaved_on_disk_s(self) -> float:
@@ -246,12 +246,12 @@ class Context:
 
     def cadence_lines(self) -> list[str]:
         """How saves are spaced in this attempt, what it did, and what they cost (progress.json, the log)."""
-        return [line for line in (kind.summary() for kind in self.cadence) if line]
+        return [line for line in (kind.summary() for kind in self.cadences) if line]
 
     def trainer_state(self, step: int) -> dict[str, tp.Any]:
         """What every save holds beside the engine's state: the step, when it was saved, and what
         saves of each kind measured (a restart plans from them, not from an estimate)."""
-        costs = {kind.policy.kind: (kind.carried + kind.costs)[-RECENT_COSTS:] for kind in self.cadence}
+        costs = {kind.policy.kind: (kind.carried + kind.costs)[-RECENT_COSTS:] for kind in self.cadences}
         return {"step": step, "saved_at": time.time(), "save_costs": costs}
 
     def global_losses(self) -> list[float]:

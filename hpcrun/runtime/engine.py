@@ -197,7 +197,7 @@ class TorchEngine:
         state = self._state()
         if not keep:
             return None
-        if self._allocating is not None:  # ready by the schedule's agreement (`Snapshots.busy` until then)
+        if self._allocating is not None:  # ready by the cadence's agreement (`Snapshots.busy` until then)
             allocating, self._allocating = self._allocating, None
             try:
                 self._snapshot_buffers = allocating.result()

@@ -32,7 +32,7 @@ class Agreed:
     probing: bool = False
     """Some rank wants slow ranks probed."""
     ballots: tuple[int, ...] | None = None
-    """The MAX over ranks of what the saves cast (hpcrun.runtime.schedule `SaveSchedule.ballot`);
+    """The MAX over ranks of what the saves cast (hpcrun.runtime.cadence `Cadence.ballot`);
     None: no vote was read at this step."""
 
 

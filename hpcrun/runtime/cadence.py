@@ -56,7 +56,7 @@ class _Flight:
     excess_s: float = 0.0
 
 
-class SaveSchedule:
+class Cadence:
     """One kind of save (disk checkpoint or in-memory snapshot) on one rank. By time: `ballot`
     at each vote this rank casts, `wants` with what the vote agreed; by steps: `wants` at every
     step. `started` when a save began, `observe` after every step."""
