@@ -391,3 +391,221 @@ def test_the_first_snapshot_copies_into_buffers_allocated_aside(
     assert exp_avg.data_ptr() == prepared["optim"]["state"]["0.weight"]["exp_avg"].data_ptr()
     snaps.save(engine, 1, {"step": 1})
     snaps.close(abandon=False)
+
+
+WRITER = """
+import sys, time
+import torch
+from pathlib import Path
+from hpcrun.runtime import snapshot
+from hpcrun.runtime.env import DistEnv
+
+scratch, allocation, rank, release = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+
+class HeldWrite:
+    replicated = False
+    def snapshot_state(self, keep):
+        return {}
+    def write_snapshot(self, staged, path):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "shard").write_bytes(b"x" * (1 << 20))
+        while not release.exists():
+            time.sleep(0.05)
+
+env = DistEnv(rank, rank, 1, torch.device("cpu"), "gloo", 0, allocation, "localhost", allocation)
+snaps = snapshot.Snapshots(scratch, "run", env, timeout_s=60, on_slurm=False)
+snaps.save(HeldWrite(), 8, {"step": 8})
+snaps.wait()
+"""
+
+
+def writing(tmp: Path, scratch: Path, allocation: str, rank: int) -> tuple[subprocess.Popen[bytes], Path]:
+    """A real rank process whose snapshot of step 8 is being written (its engine's shard is on the
+    node, the write held until the returned release file exists). Returns it and that file."""
+    script, release = tmp / "writer.py", tmp / f"release-{allocation}-{rank}"
+    script.write_text(WRITER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(scratch), allocation, str(rank), str(release)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE,
+    )
+    job_dir = rundir.snapshot_job_dir(scratch, allocation, 0)
+    tmp_step = rundir.partial_step_dir(rundir.snapshot_rank_dir(job_dir, "run", slurm.node_name(os.environ), rank), 8)
+
+    def shard() -> bool:
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        return any(tmp_step.rglob("shard"))
+
+    wait_for(shard, f"rank {rank}'s snapshot write", timeout=60)
+    return proc, release
+
+
+def local_env(rank: int, allocation: str, slurm_requeues: int = 0) -> DistEnv:
+    return DistEnv(rank, rank, 1, torch.device("cpu"), "gloo", 0, allocation, "localhost", allocation, slurm_requeues)
+
+
+@pytest.mark.oldest_torch
+def test_a_killed_attempts_partial_steps_are_removed_a_live_writers_kept(tmp_path: Path) -> None:
+    """On a tight tmpfs the partial steps a killed attempt left make every later snapshot fail
+    (ENOSPC): the next attempt's start on the node removes them, its own rank's and a replica's,
+    and keeps the complete steps a restore reads and a live process's snapshot being written."""
+    scratch, host = tmp_path / "node", slurm.node_name(os.environ)
+    killed, _ = writing(tmp_path, scratch, "7", 0)
+    killed.kill()
+    killed.wait()
+    live, release = writing(tmp_path, scratch, "7", 1)
+    job_dir = rundir.snapshot_job_dir(scratch, "7", 0)
+    own, live_dir, replica = (rundir.snapshot_rank_dir(job_dir, "run", host, rank) for rank in (0, 1, 2))
+    complete = rundir.step_dir(own, 6)
+    complete.mkdir()
+    (complete / "state").write_bytes(b"s")
+    # a replica the killed attempt was receiving (planted: no process ever held it)
+    rundir.partial_step_dir(replica, 8).mkdir(parents=True)
+    (rundir.partial_step_dir(replica, 8) / "state").write_bytes(b"r" * (1 << 20))
+    try:
+        snaps = snapshot.Snapshots(scratch, "run", local_env(0, "7"), timeout_s=60, on_slurm=False)
+        assert rundir.partial_step_dirs(own) == [] and rundir.partial_step_dirs(replica) == []
+        assert (complete / "state").exists()
+        assert (rundir.partial_step_dir(live_dir, 8) / "trainer-rank00001.pt").exists(), "a live write was removed"
+        release.touch()
+        assert live.wait(timeout=60) == 0, live.communicate()[1].decode()[-2000:]
+        assert rundir.manifest(rundir.step_dir(live_dir, 8)).exists()
+        snaps.close(abandon=False)
+    finally:
+        release.touch()
+        live.kill()
+        live.wait()
+
+
+@pytest.mark.oldest_torch
+def test_the_runs_snapshots_of_earlier_job_starts_are_removed(tmp_path: Path) -> None:
+    """Snapshots never serve across job starts (a requeue or a new job resumes from disk): a start
+    of run `run` removes the run's directories of earlier starts on its node, this job's before a
+    requeue and another job's whose exit could not clear the node although SLURM may still list it,
+    but not another run's, nor one a live process of the run is writing, nor its own start's."""
+    scratch, host = tmp_path / "node", slurm.node_name(os.environ)
+
+    def planted(allocation: str, start: int, run: str) -> Path:
+        rank_dir = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(scratch, allocation, start), run, host, 0)
+        rundir.step_dir(rank_dir, 4).mkdir(parents=True)
+        (rundir.step_dir(rank_dir, 4) / "state").write_bytes(b"s" * (1 << 20))  # planted: no process holds it
+        return rank_dir
+
+    requeued, other_job, other_run, current = (
+        planted("7", 0, "run"), planted("5", 0, "run"), planted("5", 0, "other"), planted("7", 1, "run"),
+    )
+    live, release = writing(tmp_path, scratch, "6", 1)
+    try:
+        snaps = snapshot.Snapshots(scratch, "run", local_env(0, "7", slurm_requeues=1), timeout_s=60, on_slurm=False)
+        assert not requeued.exists() and not rundir.snapshot_job_dir(scratch, "7", 0).exists()
+        assert not other_job.exists() and not (rundir.snapshot_job_dir(scratch, "5", 0) / "run").exists()
+        assert (rundir.step_dir(other_run, 4) / "state").exists()
+        assert (rundir.step_dir(current, 4) / "state").exists()
+        live_dir = rundir.snapshot_rank_dir(rundir.snapshot_job_dir(scratch, "6", 0), "run", host, 1)
+        assert (rundir.partial_step_dir(live_dir, 8) / "trainer-rank00001.pt").exists(), "a live write was removed"
+        snaps.close(abandon=False)
+    finally:
+        release.touch()
+        live.kill()
+        live.wait()
+
+
+TWO_RANKS = """
+import errno, os, sys, time
+import torch, torch.distributed as dist
+from pathlib import Path
+from hpcrun import rundir
+from hpcrun.runtime import snapshot
+from hpcrun.runtime.env import DistEnv
+
+tmp, case = Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["RANK"])
+release = tmp / "release"
+
+class Engine:
+    replicated = False
+    def __init__(self, fail=False, held=False):
+        self.fail, self.held = fail, held
+    def snapshot_state(self, keep):
+        return {}
+    def write_snapshot(self, staged, path):
+        if self.fail:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        while self.held and not release.exists():
+            time.sleep(0.05)
+        Path(path).write_bytes(b"state" * 1000)
+
+def until(predicate):
+    deadline = time.monotonic() + 60
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+dist.init_process_group("gloo", rank=rank, world_size=2)
+env = DistEnv(rank, rank, 2, torch.device("cpu"), "gloo", 0, "7", "localhost", "7")
+if case == "failed":  # one node: the ranks only agree, no copy is exchanged
+    snaps = snapshot.Snapshots(tmp / "node", "run", env, timeout_s=30, on_slurm=False)
+    snaps.save(Engine(fail=rank == 1), 1, {"step": 1})
+    snaps.wait()
+    snaps.save(Engine(), 2, {"step": 2})
+    snaps.wait()
+    print(f"failures={snaps.failures}", flush=True)
+    snaps.close(abandon=False)
+else:  # two nodes: rank 1 closes while it waits for rank 0's copy
+    snaps = snapshot.Snapshots(tmp / f"node{rank}", "run", env, timeout_s=30, on_slurm=False)
+    snaps.save(Engine(held=rank == 0), 1, {"step": 1})
+    if rank == 1:
+        until(lambda: rundir.step_dir(snaps.rank_dir(1), 1).exists())  # published: now sending and receiving
+        time.sleep(1.0)
+        snaps.close(abandon=True)
+        release.touch()
+        until(lambda: not snaps.busy)
+        left = sorted(str(p) for p in snaps.job_dir.rglob("*")) if snaps.job_dir.exists() else []
+        print(f"left={left}", flush=True)
+    else:
+        snaps.wait()
+        snaps.close(abandon=False)
+os._exit(0)
+"""
+
+
+def two_ranks(tmp: Path, case: str) -> list[tuple[str, str]]:
+    """TWO_RANKS' `case` in two real rank processes (gloo); each one's stdout and stderr."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + random.randrange(2000)),
+           "PYTHONPATH": str(ROOT)}
+    script = tmp / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp), case], env={**env, "RANK": str(rank)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return outputs
+
+
+@pytest.mark.oldest_torch
+def test_a_snapshot_failed_on_any_rank_is_counted_and_said_on_rank_0s_output(tmp_path: Path) -> None:
+    """Rank 1's snapshot write fails (ENOSPC: a full tmpfs): rank 0, whose summary line counts the
+    failed snapshots and whose output is where a run is read, counts it and says it there, not
+    only rank 1 on its stderr; the next snapshot, whole on both, counts nothing."""
+    (out0, _), (out1, err1) = two_ranks(tmp_path, "failed")
+    assert "failures=1" in out0 and "failures=1" in out1, (out0, out1)
+    assert re.search(r"snapshot of step 1 failed on rank 1 \(rank 1: OSError: \[Errno 28\]", out0), out0
+    assert "snapshot of step 1 failed: OSError" in err1, err1[-2000:]
+
+
+@pytest.mark.oldest_torch
+def test_a_copy_arriving_after_close_creates_no_directory(tmp_path: Path) -> None:
+    """Rank 1 closes its snapshots (a stop) while its peer's copy is still on its way: the copy
+    is taken off the wire but written nowhere, and nothing of the job is left on rank 1's node."""
+    (out0, _), (out1, _) = two_ranks(tmp_path, "race")
+    assert "left=[]" in out1, out1
+    assert not rundir.snapshot_job_dir(tmp_path / "node1", "7", 0).exists()
+    assert "snapshot of step 1 failed on rank 1 (rank 1: abandoned" in out0, out0  # rank 1 holds no copy

@@ -14,10 +14,13 @@ thread writes it under a temporary name, its manifest (each file's size and CRC-
 that wrote it) last, renames it into place, then sends the files to the rank of the same position
 on the next node (its peer) as they lie in memory (tmpfs pages, mapped: no pickles, no copies),
 which receives them straight into their files and checks them against the manifest. Once every
-rank holds both copies (an all-reduce on the snapshots' own gloo group) each rank drops its older
-steps: a node keeps one complete step of each rank directory it holds, plus the one being written.
+rank holds both copies (an all-gather of the ranks' reasons for failure, on the snapshots' own gloo
+group) each rank drops its older steps: a node keeps one complete step of each rank directory it
+holds, plus the one being written.
 A snapshot due while the previous one is still in flight, or before the first one's buffers are
-allocated, is skipped (hpcrun.runtime.schedule).
+allocated, is skipped (hpcrun.runtime.schedule). A snapshot that fails on any rank is counted on
+every rank (`failures`, in rank 0's summary line) and said on rank 0's output, the failing rank's
+reason on its stderr; the disk checkpoint stays.
 
 At an attempt's start (`restore`, collective) the ranks exchange what their nodes hold, pick the
 newest step of which every rank has a verified copy written by one attempt on some node (ranks
@@ -28,13 +31,19 @@ manifest) is never used: that rank's files come from another holder, or an older
 disk checkpoint is used (a copy that fails to arrive sends the restart to disk). Snapshots are
 valid within one job start only (requeues and new jobs resume from disk, the durable
 checkpoint); the batch script removes the job's directory on every node when the job ends, and
-the next job on a node removes what an ended job could not (`sweep`).
+the next job on a node removes what an ended job could not (`sweep`). Every process holds a shared
+lock on a file in each rank directory it writes (`OWNER`; the kernel drops it when the process
+dies), so that what no live process writes is known: a run's next attempt or job on a node removes
+the partial steps killed attempts left, and the run's directories of earlier job starts
+(`sweep_run`). After `close` nothing is written: a write racing with it creates no directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import fcntl
 import json
 import os
 import queue
@@ -68,6 +77,7 @@ class Restored:
 
 
 CHUNK = 1 << 24  # bytes read at a time to check a file
+CLOSED = "abandoned: the snapshots were closed"
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -91,6 +101,42 @@ def _checksum(path: Path) -> str:
 
 def _tag(size: int, crc: int) -> str:
     return f"{size}:{crc:08x}"
+
+
+OWNER = ".owner"  # in a rank directory: share-locked by every live process that writes there
+
+
+@contextlib.contextmanager
+def unowned(rank_dir: Path) -> tp.Iterator[bool]:
+    """Whether no live process writes in `rank_dir`; while true, none can begin to (`_claim`
+    waits)."""
+    fd = None
+    try:
+        fd = os.open(rank_dir / OWNER, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        free = True
+    except FileNotFoundError:  # no process has written there yet: the owner file comes first
+        free = True
+    except OSError:  # a live owner holds it (BlockingIOError), or none can be told: one is assumed
+        free = False
+    try:
+        yield free
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def remove_partial_steps(rank_dir: Path) -> None:
+    for leftover in rundir.partial_step_dirs(rank_dir):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def remove_empty(*paths: Path) -> None:
+    for path in paths:
+        try:
+            path.rmdir()
+        except OSError:  # not empty: another rank's or run's directories are still there
+            pass
 
 
 def publish(tmp: Path, final: Path, **fields: tp.Any) -> None:
@@ -193,6 +239,25 @@ def sweep(scratch: Path, allocation_id: str, slurm_requeues: int, others: bool) 
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def sweep_run(scratch: Path, job_dir: Path, run_id: str, host: str) -> None:
+    """Remove what this node holds of run `run_id` that no live process writes and no restore can
+    use: in this job start's directory `job_dir` the partial steps of killed attempts (on a tight
+    tmpfs they would make every later snapshot fail), in other job starts' directories (another job
+    of the run, a requeue's whose exit could not clear the node) the whole rank directories, as
+    snapshots never serve across job starts (a requeue or a new job resumes from disk)."""
+    for paths in rundir.snapshot_job_dirs(scratch).values():
+        for start in paths:
+            current = start.name == job_dir.name
+            for rank_dir in rundir.snapshot_ranks(start, run_id, host).values():
+                with unowned(rank_dir) as free:
+                    if free and current:
+                        remove_partial_steps(rank_dir)
+                    elif free:
+                        shutil.rmtree(rank_dir, ignore_errors=True)
+            if not current:
+                remove_empty(start / run_id / host, start / run_id, start)
+
+
 Copy = tuple[int, int, int]
 """A snapshot copy: (rank, step, attempt that wrote it)."""
 
@@ -207,26 +272,82 @@ class Snapshots:
         self.host = slurm.node_name(os.environ)
         self.node = f"{self.host}:{os.path.realpath(scratch)}"  # ranks that share this scratch
         distributed = dist.is_initialized() and env.world_size > 1
-        # a group of its own: the background thread's sends and all-reduce never interleave with
+        # a group of its own: the background thread's sends and agreement never interleave with
         # training's; with the job's collective timeout, so that a dead peer ends the attempt in time
         timeout = dt.timedelta(seconds=timeout_s)
         self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self.nodes: list[str] = [self.node]
         self.stalls: list[float] = []  # seconds each save held the training thread
-        self.failures = 0
+        self.failures = 0  # snapshots that failed on some rank (every rank counts them alike)
         self.prepared = False  # whether this rank's buffers were allocated aside (`prepare`)
         self.prepare_pending = True  # until `prepare` has asked the engine and it could answer
         self._pending: Future[None] | None = None
         self._preparing: Future[tp.Any] | None = None  # the engine's first host buffers, being allocated
         self._queue: queue.SimpleQueue[tuple[Future[None], tp.Callable[[], None]]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
-        self._held: set[int] = {env.rank}  # the rank directories this rank writes on its node
+        self._held: set[int] = set()  # the rank directories this rank has written on its node (`_claim`)
+        self._owners: dict[int, int] = {}  # their owner files' descriptors, share-locked until `close`
+        # `_closed` and what creates or removes directories, under one lock: once `close` has removed
+        # them, a write racing with it (the background thread's) creates none again
+        self._lock = threading.Lock()
         self._closed = False
-        if env.local_rank == 0:
+        if env.local_rank == 0:  # before any rank of this attempt writes: the first `restore` waits for it
             sweep(scratch, env.allocation_id, env.slurm_requeues, others=on_slurm)
+            sweep_run(scratch, self.job_dir, run_id, self.host)
 
     def rank_dir(self, rank: int) -> Path:
         return rundir.snapshot_rank_dir(self.job_dir, self.run_id, self.host, rank)
+
+    def _claim(self, rank: int) -> bool:
+        """Hold `rank`'s directory as one this process writes (its owner file share-locked, made
+        before anything lands there) and remove the partial steps there that no other live process
+        writes; False once closed: nothing may be written then."""
+        with self._lock:
+            if self._closed:
+                return False
+            if rank not in self._owners:
+                self.rank_dir(rank).mkdir(parents=True, exist_ok=True)
+                self._owners[rank] = os.open(self.rank_dir(rank) / OWNER, os.O_RDONLY | os.O_CREAT, 0o600)
+                self._held.add(rank)  # close removes what it holds
+            self._remove_partial_steps(rank)
+            return True
+
+    def _remove_partial_steps(self, rank: int) -> None:
+        """The partial steps in `rank`'s directory, unless another live process holds it too (a
+        killed attempt's process not yet gone): with the owner file's lock exclusive for a moment."""
+        fd = self._owners[rank]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            remove_partial_steps(self.rank_dir(rank))
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a conversion that failed dropped the lock: taken again
+
+    def _new_dir(self, path: Path) -> bool:
+        """`path` made empty, unless closed (False)."""
+        with self._lock:
+            if self._closed:
+                return False
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            return True
+
+    def _allocated(self, path: Path, size: int) -> torch.Tensor | None:
+        """`allocated`, unless closed (None)."""
+        with self._lock:
+            return None if self._closed else allocated(path, size)
+
+    def _remove(self) -> None:
+        """This rank's directories and, once empty, the run's and the job's on this node."""
+        with self._lock:
+            for rank in self._held:
+                shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
+            for fd in self._owners.values():
+                os.close(fd)
+            self._owners.clear()
+            remove_empty(self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir)
 
     def engine_rank(self, rank: int, engine: tp.Any) -> int:
         """The rank whose snapshot directory holds `rank`'s engine state: its own, or where every
@@ -354,16 +475,20 @@ class Snapshots:
             if not files:
                 why = why or f"rank {sender} sent no snapshot of rank {rank}"
                 continue
-            self._held.add(rank)  # before anything lands in its directory (close removes what it holds)
             tmp = rundir.partial_step_dir(self.rank_dir(rank), step)
-            shutil.rmtree(tmp, ignore_errors=True)
             refused = None
+            try:
+                if not (self._claim(rank) and self._new_dir(tmp)):
+                    refused = CLOSED
+            except OSError as exc:
+                refused = f"{self.rank_dir(rank)}: {exc}"
             for name, length in files:
                 target = None
                 if refused is None:
-                    try:
-                        target = allocated(tmp / name, length)
-                    except OSError as exc:  # a full tmpfs: still take every byte the sender sends
+                    try:  # a full tmpfs or a close: still take every byte the sender sends
+                        target = self._allocated(tmp / name, length)
+                        refused = CLOSED if target is None else None
+                    except OSError as exc:
                         refused = f"{tmp / name}: {exc}"
                 if target is None:  # drained through one chunk's buffer, piece by piece as they were sent
                     scratch = torch.empty(min(length, SEND_CHUNK), dtype=torch.uint8)
@@ -381,15 +506,16 @@ class Snapshots:
             work.wait()
         return why
 
-    @staticmethod
-    def _settle(tmp: Path, final: Path) -> str | None:
+    def _settle(self, tmp: Path, final: Path) -> str | None:
         """A received copy verified against its manifest and renamed into place, or removed."""
         why = verify(tmp)
-        if why is None:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with self._lock:
+            why = CLOSED if self._closed else why
+            if why is None:
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
         return why
 
     @property
@@ -422,10 +548,6 @@ class Snapshots:
         start = time.perf_counter()
         self.wait()  # nothing in flight by the schedule's agreement: returns at once
         self._learn_nodes()
-        rank_dir = self.rank_dir(self.env.rank)
-        tmp = rundir.partial_step_dir(rank_dir, step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         self._preparing = None  # the engine has taken its buffers
         state = {**trainer_state, "rng": ckpt.rng_state(), "rank": self.env.rank}
         staged = engine.snapshot_state(keep=self.engine_rank(self.env.rank, engine) == self.env.rank)
@@ -434,7 +556,7 @@ class Snapshots:
             # a daemon: a thread stuck on a dead peer must not hold the process at exit
             self._worker = threading.Thread(target=self._work, name="hpcrun-snapshot", daemon=True)
             self._worker.start()
-        self._queue.put((self._pending, lambda: self._complete(engine, staged, step, tmp, state)))
+        self._queue.put((self._pending, lambda: self._complete(engine, staged, step, state)))
         self.stalls.append(time.perf_counter() - start)
         return self.stalls[-1]
 
@@ -447,37 +569,50 @@ class Snapshots:
             except BaseException as exc:  # noqa: BLE001 - raised where the training thread waits
                 pending.set_exception(exc)
 
-    def _complete(
-        self, engine: tp.Any, staged: dict[str, tp.Any] | None, step: int, tmp: Path, state: dict[str, tp.Any]
-    ) -> None:
+    def _complete(self, engine: tp.Any, staged: dict[str, tp.Any] | None, step: int, state: dict[str, tp.Any]) -> None:
         """The background half of a save: publish, replicate, agree, prune. Never raises: a
         failed snapshot is reported and skipped (the disk checkpoint stays), and every rank still
-        takes part in the exchange and the all-reduce, so that none waits for it forever."""
-        final = rundir.step_dir(self.rank_dir(self.env.rank), step)
+        takes part in the exchange and the agreement, so that none waits for it forever."""
+        rank = self.env.rank
+        tmp, final = rundir.partial_step_dir(self.rank_dir(rank), step), rundir.step_dir(self.rank_dir(rank), step)
         published, why = False, None
         try:
-            rundir.trainer_state(tmp, self.env.rank).write_bytes(ckpt.serialise(state))
-            if staged is not None:
-                engine.write_snapshot(staged, rundir.engine_state(tmp))
-            if self._closed:  # abandoned by a stop: its directories are being removed
-                return
-            publish(tmp, final, step=step, rank=self.env.rank, world_size=self.env.world_size, run_id=self.run_id,
-                    attempt=self.env.attempt)
-            published = True
+            if self._claim(rank) and self._new_dir(tmp):
+                rundir.trainer_state(tmp, rank).write_bytes(ckpt.serialise(state))
+                if staged is not None:
+                    engine.write_snapshot(staged, rundir.engine_state(tmp))
+            if not self._closed:
+                publish(tmp, final, step=step, rank=rank, world_size=self.env.world_size, run_id=self.run_id,
+                        attempt=self.env.attempt)
+                published = True
         except Exception as exc:  # noqa: BLE001 - reported, and the ranks still meet below
             why = f"{type(exc).__name__}: {exc}"
+        if self._closed and not published:  # abandoned by a stop: what a write made after close goes too
+            self._remove()
+            return
         why = self._replicate(final if published else None, step) or why
-        ok = torch.tensor([0 if why else 1], dtype=torch.int64)
         try:
-            if self.group is not None:
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-            if ok.item():  # every rank holds step `step` twice: older ones are of no more use
-                self._prune(step)
+            reasons = dict(enumerate(self._gather(why)))
         except Exception as exc:  # noqa: BLE001 - a peer gone: the training's own collectives will say so
             why = why or f"{type(exc).__name__}: {exc}"
+            reasons = {rank: why}
+        failed = {r: reason for r, reason in reasons.items() if reason}
+        if self._closed:
+            self._remove()
+            return
+        if not failed:  # every rank holds step `step` twice: older ones are of no more use
+            self._prune(step)
+            return
+        self.failures += 1
         if why:
-            self.failures += 1
-            print(f"[hpcrun rank {self.env.rank}] snapshot of step {step} failed: {why}", file=sys.stderr, flush=True)
+            print(f"[hpcrun rank {rank}] snapshot of step {step} failed: {why}", file=sys.stderr, flush=True)
+        if self.env.is_main:  # on rank 0's output, where the run's own lines are read
+            first, reason = next(iter(failed.items()))
+            print(
+                f"[hpcrun rank {rank}] snapshot of step {step} failed on rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} (rank {first}: {reason}); the disk checkpoint stays",
+                flush=True,
+            )
 
     def _replicate(self, published: Path | None, step: int) -> str | None:
         peer = peer_of(self.nodes, self.env.rank)
@@ -490,13 +625,14 @@ class Snapshots:
             return f"{type(exc).__name__}: {exc}"
 
     def _prune(self, step: int) -> None:
-        for rank in self._held:
-            path = self.rank_dir(rank)
-            for old, old_path in rundir.step_dirs(path).items():
-                if old < step:
-                    shutil.rmtree(old_path, ignore_errors=True)
-            for leftover in rundir.partial_step_dirs(path):
-                shutil.rmtree(leftover, ignore_errors=True)
+        with self._lock:
+            if self._closed:
+                return
+            for rank in self._owners:
+                for old, old_path in rundir.step_dirs(self.rank_dir(rank)).items():
+                    if old < step:
+                        shutil.rmtree(old_path, ignore_errors=True)
+                self._remove_partial_steps(rank)
 
     def wait(self) -> None:
         """Until the snapshot in flight is published, replicated and agreed on."""
@@ -507,20 +643,14 @@ class Snapshots:
     def close(self, abandon: bool) -> None:
         """Delete this rank's directories and, once empty, the job's: after the snapshot in flight
         is done, or with `abandon` at once (a stop must fit in SLURM's KillWait; the background
-        thread stops at its next phase and the batch script's exit clears what it leaves)."""
-        if abandon:
-            self._closed = True
-        else:
+        thread writes nothing more, and removes what a write of its made after this)."""
+        if not abandon:
             self.wait()
+        with self._lock:
+            self._closed = True  # from here on no directory is made (`_claim`, `_new_dir`, `_allocated`)
         if self._preparing is not None:  # a thread inside torch at interpreter exit can abort the process
             futures.wait([self._preparing], timeout=PREPARE_WAIT_S)
-        for rank in list(self._held):  # the background thread may still add a replica's rank
-            shutil.rmtree(self.rank_dir(rank), ignore_errors=True)
-        for parent in (self.job_dir / self.run_id / self.host, self.job_dir / self.run_id, self.job_dir):
-            try:
-                parent.rmdir()
-            except OSError:  # another rank's directories are still there
-                pass
+        self._remove()
 
     def info(self, message: str) -> None:
         print(f"[hpcrun rank {self.env.rank}] {message}", file=sys.stderr, flush=True)
