@@ -19,7 +19,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun import jobstate, localjob, slurm
+from hpcrun import jobstate, localjob, mtbf, slurm
 from hpcrun.errors import HpcrunError, SubmissionError
 from hpcrun.plan import RunSpec
 from hpcrun.render import render, render_array
@@ -37,11 +37,12 @@ ENDING_WAIT_S = 30.0
 def prepare(spec: RunSpec, script: str | None = None) -> Path:
     """Write the run directory: the resolved RunSpec and the script (an array's script for a
     sweep point). Returns its path. A run directory whose job record is corrupt is refused
-    before anything in it is overwritten."""
+    before anything in it is overwritten. The spec written carries the node MTBF learned from the
+    site's results now (hpcrun.mtbf), which the job's saves are spaced by; the script is unchanged."""
     run_dir = RunDir(spec.run_dir)
     run_dir.jobs()  # raises CorruptStateError: never overwrite what we cannot read
     run_dir.logs.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir.spec, spec.model_dump_json(indent=1))
+    atomic_write(run_dir.spec, mtbf.resolve(spec).model_dump_json(indent=1))
     atomic_write(run_dir.script, script if script is not None else render(spec))
     return run_dir.path
 

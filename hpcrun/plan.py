@@ -73,6 +73,11 @@ class RunSpec(Frozen):
     init_from: str | None = None
     init_weights: str | None = None
     env: dict[str, str] = {}
+    node_mtbf_hours: float | None = None
+    """A node's MTBF learned from the site's results on this partition (hpcrun.mtbf), set where the
+    spec is submitted or shown (`plan` itself reads no files); None: the partition's `node_mtbf_hours`."""
+    mtbf_source: str = "the site's node_mtbf_hours"
+    """Where the node MTBF came from, in words (`hpcrun plan`)."""
 
     @property
     def strategy(self) -> Strategy:
@@ -95,10 +100,19 @@ class RunSpec(Frozen):
 
     @property
     def mtbf_s(self) -> float:
-        """The job's expected time between failures: the recipe's, else its nodes' together
-        (a failure of any node stops the job)."""
-        hours = self.recipe.fault.mtbf_hours or self.partition_spec.node_mtbf_hours / self.allocated_nodes
-        return hours * 3600
+        """The job's expected time between failures: the recipe's, else its nodes' together (a failure
+        of any node stops the job), each node's as learned (`node_mtbf_hours`) or the site's."""
+        node = self.node_mtbf_hours or self.partition_spec.node_mtbf_hours
+        return (self.recipe.fault.mtbf_hours or node / self.allocated_nodes) * 3600
+
+    def mtbf_said(self) -> str:
+        """The MTBF the saves are spaced by and where it came from, in one line (`hpcrun plan`)."""
+        if self.recipe.fault.mtbf_hours:
+            return f"MTBF {self.recipe.fault.mtbf_hours:.1f} h: the recipe's fault.mtbf_hours"
+        node = self.node_mtbf_hours or self.partition_spec.node_mtbf_hours
+        nodes = self.allocated_nodes
+        held = f"{nodes} nodes ({node:.1f} h per node)" if nodes > 1 else "1 node"
+        return f"MTBF {self.mtbf_s / 3600:.1f} h for {held}: {self.mtbf_source}"
 
     def cadence(self, kind: tp.Literal["checkpoint", "snapshot"]) -> Policy:
         """How this run spaces its disk checkpoints or its in-memory snapshots (hpcrun.cadence)."""

@@ -67,6 +67,7 @@ def plan_command(site_name: str, recipe: Path) -> None:
 
     from hpcrun.measured import measured_peaks
     from hpcrun.memory import GB, Estimate, estimate, largest_micro_batch, recommend
+    from hpcrun.mtbf import resolve
     from hpcrun.plan import plan
     from hpcrun.recipe import load_recipe
     from hpcrun.site import load_site
@@ -77,7 +78,7 @@ def plan_command(site_name: str, recipe: Path) -> None:
         raise HpcrunError(
             "the planner knows the built-in benchmark's model only (job.kind: benchmark)", recipe, "job.kind"
         )
-    spec = plan(site, recipe_file.base, recipe, "plan")
+    spec = resolve(plan(site, recipe_file.base, recipe, "plan"))  # the MTBF a submission now would learn
     mb = spec.recipe.training.micro_batch
     rows = estimate(spec)
     spares = f"; +{spec.spare_nodes} spare node(s), held idle for the job" if spec.spare_nodes else ""
@@ -117,6 +118,7 @@ def plan_command(site_name: str, recipe: Path) -> None:
         click.echo(f"largest micro-batch that fits with {best.option.name}: {shown} (the recipe's: {mb})")
     if peaks:
         click.echo(f"measured: the largest peak_memory_bytes of this site's runs of this shape ({spec.results_dir})")
+    click.echo(spec.mtbf_said())
     for line in saves(spec, [e.option for e in rows]):
         click.echo(line)
 

@@ -212,19 +212,24 @@ class Context:
     def make_cadences(self) -> tuple[Cadence, Cadence | None]:
         """The cadence of disk checkpoints (one due waits for the write before) and, when this rank
         keeps them, of in-memory snapshots (one due while the last is in flight is skipped), with the
-        costs earlier attempts measured (their trainer state carries them)."""
+        costs earlier attempts measured (their trainer state carries them), and the MTBF this job's
+        own failures so far leave (`own_mtbf_s`)."""
+        import dataclasses
+
         def measured() -> float:
             return cadence.state_bytes(self.engine)
 
         costs = self.restored.get("save_costs") or {}
+        mtbf_s = self.own_mtbf_s()  # a job that keeps failing saves more often than its plan said
         disk = Cadence(
-            self.spec.cadence("checkpoint"), self.env, skips=False, state_bytes=measured,
-            busy=lambda: self.checkpoints.busy,
+            dataclasses.replace(self.spec.cadence("checkpoint"), mtbf_s=mtbf_s), self.env, skips=False,
+            state_bytes=measured, busy=lambda: self.checkpoints.busy,
             since_s=self.unsaved_on_disk_s(), costs=costs.get("checkpoint", ()), first_allocates=True,
         )
         memory = (
             Cadence(
-                self.spec.cadence("snapshot"), self.env, skips=True, state_bytes=measured,
+                dataclasses.replace(self.spec.cadence("snapshot"), mtbf_s=mtbf_s), self.env, skips=True,
+                state_bytes=measured,
                 busy=lambda: bool(self.snapshots and self.snapshots.busy),
                 costs=costs.get("snapshot", ()),
             )
@@ -232,6 +237,25 @@ class Context:
         )
         self.cadences = [c for c in (disk, memory) if c is not None]
         return disk, memory
+
+    def own_mtbf_s(self) -> float:
+        """The planned MTBF with this job's own failures so far (hpcrun.mtbf: the restarts inside it
+        its batch script counted, and how long each attempt before one trained). Every rank reads
+        the same file, so all space their saves alike."""
+        from hpcrun import mtbf
+
+        planned = self.spec.mtbf_s
+        try:
+            starts = self.run_dir.starts(self.env.allocation_id).read_text().splitlines()
+        except OSError:  # not started by hpcrun's batch script (a local run): no restarts inside it
+            return planned
+        failures, trained_s = mtbf.in_job_history(starts)
+        if not failures:
+            return planned
+        tightened = mtbf.tightened(planned, failures, trained_s)
+        self.info(f"MTBF {tightened / 3600:.1f} h: the plan's {planned / 3600:.1f} h with this job's {failures} "
+                  f"failure(s) in {trained_s / 3600:.2f} h")
+        return tightened
 
     def unsaved_on_disk_s(self) -> float:
         """The training time this attempt starts with that no disk checkpoint holds: a restart from
