@@ -184,7 +184,12 @@ class Fault(Frozen):
     the job, not hold the allocation); PyTorch's own default is 600 s."""
     hang_timeout_s: int | None = pydantic.Field(default=None, ge=10)
     """A rank that makes no step progress this long is hung: stacks are dumped and the attempt
-    ends. None: derived from the first steps' measured step time (at least 300 s)."""
+    ends. None: derived from the job's own steps, 5 times the slowest of the last 100 (at least
+    30 s), and not counted while the training thread keeps a core busy (hpcrun.runtime.watchdog)."""
+    peer_timeout_s: float | None = pydantic.Field(default=5.0, ge=1)
+    """A rank whose pulse (a datagram its watchdog thread sends the next rank twice a second) stops
+    this long has stopped, died or lost its node: the next rank ends the attempt, naming it
+    (hpcrun.runtime.pulse). None: no pulse ring (a network that drops UDP between nodes)."""
     restarts_in_job: int = pydantic.Field(default=5, ge=0, le=20)
     """On SLURM, how many times a failed training step (a dead, hung or lost rank) is started again
     inside the same allocation, from the newest complete state, before the job falls back to a

@@ -17,6 +17,7 @@ import typing as tp
 import torch
 import torch.distributed as dist
 
+from hpcrun import slurm
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
 from hpcrun.rundir import RunDir, local_scratch, manifest, nvme_job_dir
@@ -25,6 +26,7 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.cadence import BALLOT, RECENT_COSTS, Cadence
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
+from hpcrun.runtime.pulse import Pulse
 from hpcrun.runtime.steps import StepRecorder
 from hpcrun.runtime.vote import StopVote
 from hpcrun.runtime.watchdog import Watchdog
@@ -112,7 +114,8 @@ class Context:
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env
         watchdog = Watchdog(
-            self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s
+            self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s,
+            self.pulse_ring(),
         )
         disk, memory = self.make_cadences()
         warmup = self.recipe.training.warmup_steps
@@ -196,6 +199,21 @@ class Context:
                     f"watchdog thread {watchdog_cpu * 1e3:.1f} ms of CPU ({100 * watchdog_cpu / stepped:.3f}%)"
                     + snapshots + saves
                 )
+
+    def pulse_ring(self) -> Pulse | None:
+        """This rank's place in the pulse ring (collective: the ranks exchange addresses), when the
+        job has peers and the recipe keeps the ring."""
+        timeout = self.recipe.fault.peer_timeout_s
+        if timeout is None or self.world_size < 2 or not dist.is_initialized():
+            return None
+
+        def gather(value: tp.Any) -> list[tp.Any]:
+            found: list[tp.Any] = [None] * self.world_size
+            dist.all_gather_object(found, value)
+            return found
+
+        return Pulse(self.rank, self.world_size, timeout, os.environ.get("MASTER_ADDR", "127.0.0.1"), gather,
+                     host=slurm.node_name(os.environ))
 
     def snapshots_of(self, engine: tp.Any) -> snapshot.Snapshots | None:
         """In-memory snapshots of `engine`'s state, when it keeps them (DeepSpeed's does not: its

@@ -40,6 +40,7 @@ RUN_LONG = ("failed_nodes", "excluded_nodes", "slow_ranks")
 RESTARTING = "restarting in the job"
 # a rank's watchdog's word (hpcrun.runtime.watchdog); the writer adds which ranks went silent
 HUNG = "hung (no step progress for fault.hang_timeout_s)"
+PEER_SILENT = "a peer fell silent (no pulse for fault.peer_timeout_s)"  # the watchdog adds which
 
 
 class Stop:

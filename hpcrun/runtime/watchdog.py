@@ -1,5 +1,6 @@
 """The hang watchdog: a daemon thread per rank that ends the attempt when the rank made no step
-progress for `fault.hang_timeout_s`.
+progress for `fault.hang_timeout_s` (by default derived from the job's own step times), or when
+the rank before it in the pulse ring (hpcrun.runtime.pulse) fell silent for `fault.peer_timeout_s`.
 
 It depends on nothing the stuck thread holds: it reads two numbers the loop writes after every
 step, and on firing it writes every thread's Python stack to this rank's log (faulthandler, which
@@ -18,14 +19,18 @@ Only steps are timed. The first step (compilation, the first collectives' setup)
 saves may take far longer than a step without being hung, so neither counts against the timeout:
 the clock starts at the first step's end and restarts when a save ends. A collective that never
 completes in either is still ended by the process group's timeout (fault.collective_timeout_s).
+The derived timeout follows the job: FACTOR times the slowest of the recent steps, never under
+FLOOR_S; and while the training thread keeps a core busy (evaluation, compiling, CPU data work) it
+is working, not hung, so the clock restarts. A rank that stopped or died is the pulse ring's to
+see, in seconds: this timeout is for a live rank stuck waiting.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import os
-import statistics
 import sys
 import threading
 import time
@@ -33,16 +38,18 @@ import typing as tp
 
 from hpcrun.rundir import RunDir
 from hpcrun.runtime import failure, heartbeat
+from hpcrun.runtime.pulse import PULSE_S, Pulse
 
 EXIT_HUNG = 75
-FLOOR_S = 300.0  # the derived timeout's floor: slower saves and evaluation steps are not hangs
-STEP_FACTOR = 20  # the derived timeout: this many median step times (of the first MEASURED steps)
-MEASURED = 5
+FLOOR_S = 30.0  # the derived timeout's floor: a data stall or an evaluation step shorter is not a hang
+STEP_FACTOR = 5  # the derived timeout: this many times the slowest recent step (NVRx's launcher uses 5)
+RECENT = 100  # steps whose slowest sets the derived timeout
+BUSY_SHARE = 0.05  # a training thread on a core this share of the time (a loaded machine gives it little) works
 
 
-def derived_timeout(step_times: list[float]) -> float:
-    """`fault.hang_timeout_s: null`: max(300 s, 20 x the median of the first steps' times)."""
-    return max(FLOOR_S, STEP_FACTOR * statistics.median(step_times))
+def derived_timeout(step_times: tp.Iterable[float], floor_s: float = FLOOR_S) -> float:
+    """`fault.hang_timeout_s: null`: max(FLOOR_S, STEP_FACTOR x the slowest recent step)."""
+    return max(floor_s, STEP_FACTOR * max(step_times, default=0.0))
 
 
 def flight_recorder_env(run_dir: RunDir) -> None:
@@ -61,12 +68,16 @@ class Watchdog:
     made inside `saving()`."""
 
     def __init__(
-        self, run_dir: RunDir, job_id: str, attempt: int, rank: int, world_size: int, timeout_s: float | None
+        self, run_dir: RunDir, job_id: str, attempt: int, rank: int, world_size: int, timeout_s: float | None,
+        pulse: Pulse | None = None, floor_s: float = FLOOR_S,
     ) -> None:
         self.run_dir, self.job_id, self.attempt, self.rank, self.world_size = run_dir, job_id, attempt, rank, world_size
         self.fixed = timeout_s
         self.timeout_s: float | None = timeout_s
-        self.step_times: list[float] = []
+        self.pulse, self.floor_s = pulse, floor_s
+        self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.main_thread = threading.main_thread().ident
+        self.cpu_at: tuple[float, float] | None = None  # (monotonic, the training thread's CPU seconds)
         self.last = time.monotonic()
         self.last_wall = time.time()
         self.step = -1  # no step completed yet: not timed (see the module's docstring)
@@ -85,10 +96,9 @@ class Watchdog:
         self.last = time.monotonic()
         self.last_wall = time.time()
         self.step = step
-        if self.timeout_s is None:
+        if self.fixed is None:
             self.step_times.append(seconds)
-            if len(self.step_times) >= MEASURED:
-                self.timeout_s = derived_timeout(self.step_times)
+            self.timeout_s = derived_timeout(self.step_times, self.floor_s)
 
     @contextlib.contextmanager
     def saving(self) -> tp.Iterator[None]:
@@ -101,16 +111,39 @@ class Watchdog:
             self.saves -= 1
 
     def stop(self) -> float:
-        """End the thread; returns the CPU time it used (its cost, reported by the loop)."""
+        """End the thread (saying goodbye to the pulse ring); returns the CPU time it used (its cost,
+        reported by the loop)."""
         self.done.set()
         self.thread.join(5.0)
+        if self.pulse is not None:
+            self.pulse.close()
         return self.cpu_s
 
+    def working(self) -> bool:
+        """Whether the training thread kept a core busy since the last look (its CPU clock)."""
+        if self.main_thread is None:
+            return False
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(self.main_thread))
+        except (OSError, AttributeError):  # no per-thread clock here: only steps tell
+            return False
+        now, before = time.monotonic(), self.cpu_at
+        self.cpu_at = (now, cpu)
+        return before is not None and now > before[0] and (cpu - before[1]) / (now - before[0]) >= BUSY_SHARE
+
     def _watch(self) -> None:
-        while not self.done.wait(1.0):
+        tick = PULSE_S if self.pulse is not None else 1.0
+        while not self.done.wait(tick):
             try:
+                if self.pulse is not None:
+                    self.pulse.tick()
+                    quiet = self.pulse.silent_s()
+                    if quiet is not None and not self.done.is_set():
+                        self.fire_silent(quiet)
                 timeout = self.timeout_s
                 timed = self.step >= 0 and not self.saves
+                if timed and self.fixed is None and self.working():
+                    self.last = time.monotonic()  # evaluation, compiling: busy on a core is not hung
                 if timeout is not None and timed and time.monotonic() - self.last > timeout:
                     self.fire(timeout)
                 if time.monotonic() - self.written >= self.interval:
@@ -131,17 +164,28 @@ class Watchdog:
 
     def fire(self, timeout: float) -> tp.NoReturn:
         """Stacks, the exit record, and the end of this process, whatever the first two raise."""
+        self.end(f"hung: no step progress for {timeout:.0f} s after step {self.step + 1} "
+                 f"(fault.hang_timeout_s{'' if self.fixed else ', derived'}); stacks of every thread of this rank:",
+                 failure.HUNG, stacks=True)
+
+    def fire_silent(self, quiet: float) -> tp.NoReturn:
+        """The rank before this one in the pulse ring is silent: it stopped, died or lost its node."""
+        assert self.pulse is not None
+        watched = self.pulse.watched
+        self.end(f"{watched} silent for {quiet:.1f} s (fault.peer_timeout_s): ending this attempt",
+                 f"{failure.PEER_SILENT}: {watched}", stacks=False)
+
+    def end(self, line: str, error: str, stacks: bool) -> tp.NoReturn:
         try:
-            self.say(f"hung: no step progress for {timeout:.0f} s after step {self.step + 1} "
-                     f"(fault.hang_timeout_s{'' if self.fixed else ', derived'}); stacks of every thread of this rank:")
-            try:
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            except Exception as exc:  # noqa: BLE001 - no stacks (stderr closed, no file descriptor): still exit
-                self.say(f"stacks not written: {type(exc).__name__}: {exc}")
+            self.say(line)
+            if stacks:
+                try:
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                except Exception as exc:  # noqa: BLE001 - no stacks (stderr closed, no file descriptor): still exit
+                    self.say(f"stacks not written: {type(exc).__name__}: {exc}")
             # the attempt's one record (hpcrun.runtime.failure) reads why this rank ended and names
             # the silent ranks; no seconds in it, so the same hang at the same step twice is the same failure
-            failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, failure.HUNG, self.step + 1,
-                                      {})
+            failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, error, self.step + 1, {})
         except Exception as exc:  # noqa: BLE001
             self.say(f"hang not recorded: {type(exc).__name__}: {exc}")
         finally:

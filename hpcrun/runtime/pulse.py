@@ -1,0 +1,97 @@
+"""The pulse ring: each rank tells the next one, over UDP, twice a second, that its process runs.
+
+A rank whose process stops (SIGSTOP, a crash that leaves it half-alive), whose node is powered off
+or whose network is gone falls silent; the rank after it in the ring (rank + 1, the last rank's is
+rank 0) notices within `fault.peer_timeout_s` and its watchdog ends the attempt, naming the silent
+rank. So a lost node or a stopped rank is seen in seconds, by a peer, not after a hang timeout or
+SLURM's down-node timeout. A rank that is slow but alive (a long save, evaluation, a data stall)
+keeps pulsing from its watchdog thread, which runs whatever the training thread does.
+
+Each rank sends one datagram to one peer and hears one: O(1) per rank whatever the job's size,
+nothing on the shared filesystem, no central server. A rank that leaves the loop says so ("bye"),
+so its peer does not take a normal end for a silent one. Addresses are exchanged once per attempt
+(a collective at the loop's start); the address is the one this node routes to MASTER_ADDR by.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import typing as tp
+
+PULSE_S = 0.5
+"""How often a rank pulses: the watchdog thread's tick."""
+
+BYE = b"bye"
+
+
+def local_address(master: str) -> str:
+    """The address of this node's interface towards `master` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(master), 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class Pulse:
+    """This rank's side of the ring: `tick` from the watchdog thread, `silent` says whether the
+    rank before it went quiet for longer than `timeout_s`, `close` says goodbye."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, master: str,
+                 gather: tp.Callable[[tp.Any], list[tp.Any]], host: str = "") -> None:
+        """`gather`: a collective that returns every rank's value (all_gather_object), called once."""
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((local_address(master), 0))
+        self.sock.setblocking(False)
+        mine = [*self.sock.getsockname()[:2], host]
+        peers = gather(json.dumps(mine))
+        self.peers = [json.loads(p) for p in peers]
+        self.next = tuple(self.peers[(rank + 1) % world_size][:2])
+        self.previous = (rank - 1) % world_size
+        self.heard = time.monotonic()  # the ring starts together: the collective above
+        self.gone = False  # the rank before said bye
+        self.sent = 0
+
+    @property
+    def watched(self) -> str:
+        """The rank this one watches, as a failure record names it."""
+        host = self.peers[self.previous][2]
+        return f"rank {self.previous}" + (f" on {host}" if host else "")
+
+    def tick(self) -> None:
+        """Pulse to the next rank, and hear what the rank before sent."""
+        try:
+            self.sock.sendto(b"%d" % self.rank, self.next)
+            self.sent += 1
+        except OSError:  # the next rank's node gone (unreachable): its own successor will see it
+            pass
+        while True:
+            try:
+                data = self.sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            self.heard = time.monotonic()
+            if data == BYE:
+                self.gone = True
+
+    def silent_s(self) -> float | None:
+        """How long the rank before has been silent, when longer than the timeout (None: not)."""
+        if self.gone:
+            return None
+        quiet = time.monotonic() - self.heard
+        return quiet if quiet > self.timeout_s else None
+
+    def close(self) -> None:
+        """Leaving the loop: tell the next rank (three times: datagrams may be lost), then close."""
+        for _ in range(3):
+            try:
+                self.sock.sendto(BYE, self.next)
+            except OSError:
+                break
+        self.sock.close()
