@@ -28,7 +28,7 @@ from hpcrun import rundir, slurm
 from hpcrun.backend import prepare
 from hpcrun.plan import plan
 from hpcrun.recipe import load_recipe
-from hpcrun.runtime import snapshot
+from hpcrun.runtime import snapshot, snapshotfiles
 from hpcrun.runtime.env import DistEnv
 from hpcrun.site import load_site
 from tests.delayed_training import entrypoint_job
@@ -205,16 +205,16 @@ def test_verify_refuses_what_differs_from_the_manifest(tmp_path: Path) -> None:
     (step / "state").mkdir(parents=True)
     (step / "state" / "a").write_bytes(b"abc" * 100)
     (step / "b").write_bytes(b"x")
-    snapshot.publish(step, tmp_path / "done", step=1)
+    snapshotfiles.publish(step, tmp_path / "done", step=1)
     done = tmp_path / "done"
-    assert snapshot.verify(done) is None
+    assert snapshotfiles.verify(done) is None
     (done / "state" / "a").write_bytes(b"abc" * 50)  # truncated
-    assert "state/a" in (snapshot.verify(done) or "")
+    assert "state/a" in (snapshotfiles.verify(done) or "")
     (done / "state" / "a").write_bytes(b"abc" * 100)
     (done / "c").write_bytes(b"")  # a file the manifest does not list
-    assert "c" in (snapshot.verify(done) or "")
+    assert "c" in (snapshotfiles.verify(done) or "")
     rundir.manifest(done).unlink()
-    assert "missing" in (snapshot.verify(done) or "")
+    assert "missing" in (snapshotfiles.verify(done) or "")
 
 
 @pytest.mark.oldest_torch
@@ -382,7 +382,10 @@ def test_the_first_snapshot_copies_into_buffers_allocated_aside(
     assert not snaps.prepare_pending
     wait_for(lambda: not snaps.busy, "the snapshot buffers' allocation", timeout=30)
     assert set(allocated) == {"hpcrun-snapshot-buffers"}, allocated  # once per tensor and container
-    prepared = engine._allocating.result()  # noqa: SLF001
+    assert snaps.buffers is engine.snapshot_buffers and snaps.prepared  # one object: the engine's
+    allocation = engine.snapshot_buffers._allocation  # noqa: SLF001
+    assert allocation is not None
+    prepared = allocation.result()
     staged = engine.snapshot_state()
     assert staged is not None
     assert staged["model"]["0.weight"].data_ptr() == prepared["model"]["0.weight"].data_ptr()

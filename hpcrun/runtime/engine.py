@@ -6,7 +6,6 @@ for export."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import typing as tp
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from hpcrun.rundir import ENGINE_STATE
 from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.snapshotbuffers import BufferState, SnapshotBuffers
 
 if tp.TYPE_CHECKING:  # the shapes strategies and engines agree on; the recipe itself is not known here
     from hpcrun.strategies.contract import Settings
@@ -51,8 +51,7 @@ class TorchEngine:
         self.accum = recipe.training.grad_accum
         self._stager: AsyncStager | None = None
         self._snapshot_stager: AsyncStager | None = None
-        self._snapshot_buffers: tp.Any = None
-        self._allocating: Future[tp.Any] | None = None  # the first snapshot's buffers, allocated aside
+        self.snapshot_buffers = SnapshotBuffers()  # what snapshots copy into, and where they are in their life
         # CUDA: snapshots copy to host on a stream of their own, beside the next step's forward and
         # backward; the optimizer step (the first to change the parameters) waits for the copy, and
         # so does the forward of a model with buffers (running statistics, DDP's broadcast change them).
@@ -155,33 +154,25 @@ class TorchEngine:
             async_stager=self._stager,
         )  # type: ignore[return-value]
 
-    def prepare_snapshot(self, keep: bool = True) -> Future[tp.Any] | None | tp.Literal[False]:
+    def prepare_snapshot(self, keep: bool = True) -> SnapshotBuffers:
         """Allocate the host buffers of the first snapshot on a thread of their own, before it is
         due: on a GPU they are pinned, and pinning a 1.3b model's 15.6 GB held the training
         thread ~4 s (torch.empty releases the GIL while it allocates). The thread sees only the
-        state's shapes and dtypes (meta tensors), never the live optimizer. Returns what the
-        allocation completes; None where nothing is prepared (another rank keeps this node's copy,
-        FSDP's stager keeps its own buffers, or they exist); False while the optimizer has no
-        state yet (an fp16 run's skipped first step): taking the state then would step it."""
+        state's shapes and dtypes (meta tensors), never the live optimizer. Returns the buffers,
+        whose state says where they are: READY with nothing allocated aside where another rank
+        keeps this node's copy, FSDP's stager keeps its own buffers, or they exist; UNASKED while
+        the optimizer has no state yet (an fp16 run's skipped first step): taking the state then
+        would step it."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if not keep or isinstance(self.model, FullyShardedDataParallel) or self._snapshot_buffers is not None:
-            return None
-        if not self.optimizer.state:
-            return False
-        if self._allocating is None:
+        buffers = self.snapshot_buffers
+        if not keep or isinstance(self.model, FullyShardedDataParallel) or buffers.tensors is not None:
+            buffers.none_aside()
+        elif self.optimizer.state and buffers.state is BufferState.UNASKED:
             shapes = checkpoint.meta_like(self._state())
             pinned = self.env.device.type == "cuda"
-            allocating = self._allocating = Future()
-
-            def allocate() -> None:
-                try:
-                    allocating.set_result(checkpoint.allocate_like(shapes, pinned))
-                except BaseException as exc:  # noqa: BLE001 - the first snapshot then allocates its own
-                    allocating.set_exception(exc)
-
-            threading.Thread(target=allocate, name="hpcrun-snapshot-buffers", daemon=True).start()
-        return self._allocating
+            buffers.allocate(lambda: checkpoint.allocate_like(shapes, pinned))
+        return buffers
 
     def snapshot_state(self, keep: bool = True) -> dict[str, tp.Any] | None:
         """This rank's state for an in-memory snapshot (hpcrun.runtime.snapshot), copied into host
@@ -197,25 +188,24 @@ class TorchEngine:
         state = self._state()
         if not keep:
             return None
-        if self._allocating is not None:  # ready by the cadence's agreement (`Snapshots.busy` until then)
-            allocating, self._allocating = self._allocating, None
-            try:
-                self._snapshot_buffers = allocating.result()
-            except Exception as exc:  # noqa: BLE001 - copy_into allocates them here instead
-                print(f"[hpcrun rank {self.env.rank}] snapshot buffers not allocated aside: {exc}", flush=True)
+        buffers = self.snapshot_buffers
+        try:
+            buffers.take()  # those allocated aside: ready by the cadence's agreement (`Snapshots.busy` until then)
+        except Exception as exc:  # noqa: BLE001 - copy_into allocates them here instead
+            print(f"[hpcrun rank {self.env.rank}] snapshot buffers not allocated aside: {exc}", flush=True)
         if isinstance(self.model, FullyShardedDataParallel):
             if self._snapshot_stager is None:
                 self._snapshot_stager = checkpoint.host_stager(sharded_tensors=True)
             return tp.cast(dict[str, tp.Any], self._snapshot_stager.stage(state))
         if self._snapshot_stream is None:
-            self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers)
-            return self._snapshot_buffers
+            buffers.tensors = checkpoint.copy_into(state, buffers.tensors)
+            return tp.cast(dict[str, tp.Any], buffers.tensors)
         self._snapshot_stream.wait_stream(torch.cuda.current_stream(self.env.device))  # the step's last writes
         with torch.cuda.stream(self._snapshot_stream):
-            self._snapshot_buffers = checkpoint.copy_into(state, self._snapshot_buffers, non_blocking=True)
+            buffers.tensors = checkpoint.copy_into(state, buffers.tensors, non_blocking=True)
             self._snapshot_copied = torch.cuda.Event()
             self._snapshot_copied.record(self._snapshot_stream)
-        return self._snapshot_buffers
+        return tp.cast(dict[str, tp.Any], buffers.tensors)
 
     def write_snapshot(self, state: dict[str, tp.Any], directory: Path) -> None:
         """Write a `snapshot_state` into `directory` on node-local scratch: the same DCP save as a
