@@ -15,7 +15,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpcrun.rundir import snapshot_job_name
+from hpcrun.rundir import MANIFEST, STEP, snapshot_job_name
 from tests import pool
 
 NODES = pool.nodes()
@@ -38,10 +38,28 @@ def node_scratch(node: str, scratch: Path) -> Path | None:
     return None
 
 
-def snapshot_dirs(node: str, allocation_id: str, scratch: Path) -> list[str]:
-    """The job's in-memory snapshot directories (hpcrun.rundir.snapshot_job_name) on `node`."""
+def snapshot_dirs(node: str, allocation_id: str, scratch: Path, start: int | str = "*") -> list[str]:
+    """The job's in-memory snapshot directories (hpcrun.rundir.snapshot_job_name) on `node`: of
+    every start of the job, or of one (0: the first; SLURM's requeue count)."""
     where = node_scratch(node, scratch)
-    return [] if where is None else sorted(p.name for p in where.glob(snapshot_job_name(allocation_id, "*")))
+    return [] if where is None else sorted(p.name for p in where.glob(snapshot_job_name(allocation_id, start)))
+
+
+def snapshots_complete(node: str, allocation_id: str, scratch: Path, start: int = 0) -> list[str]:
+    """The complete in-memory snapshots (a step's directory with its manifest) `node` holds of the
+    job's start `start`, its own ranks' and its replicas, as `<run>/<node>/rank-N/step-M`."""
+    where = node_scratch(node, scratch)
+    if where is None:
+        return []
+    job_dir = where / snapshot_job_name(allocation_id, start)
+    return sorted(str(m.parent.relative_to(job_dir)) for m in job_dir.glob(f"*/*/rank-*/{STEP}*/{MANIFEST}"))
+
+
+def job_pids(allocation_id: str, nodes: tp.Sequence[str] = ()) -> list[int]:
+    """Every process of job `allocation_id` on `nodes` (default: the pool's and its spare): its
+    batch shell, its steps' tasks and what they started (SLURM_JOB_ID in their environment)."""
+    return [pid for node in nodes or NODES + ((SPARE,) if SPARE else ()) for pid in node_pids(node)
+            if environ(pid).get("SLURM_JOB_ID") == allocation_id]
 
 
 def environ(pid: int) -> dict[str, str]:
