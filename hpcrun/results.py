@@ -119,6 +119,9 @@ COLUMNS: dict[str, pa.DataType] = {
     "checkpoint_stall_s": F,
     "checkpoint_write_s": F,
     "snapshot_stall_s": F,  # the training thread's stall in in-memory snapshots, summed as checkpoint_stall_s is
+    # in-memory snapshots that failed on some rank, the last one (still in flight when the steps ended)
+    # included; every rank counts alike. Null in files written before it was counted
+    "snapshot_failures": I,
     # the share of wall_tokens_per_s's wall time the training thread stalled in the saves and snapshots
     # taken within it (a background write's cost shows only as slower steps); those of the warm-up
     # steps count in the two sums of stalls, not here. Null as wall_tokens_per_s is, but for want of tokens

@@ -177,6 +177,10 @@ class Context:
         finally:
             watchdog_cpu = watchdog.stop()
             recorder.close()
+            if self.snapshots:
+                if self.step == total:  # every step ran: the snapshot in flight (`close` waits for it next) is counted
+                    self.snapshots.wait()
+                self.measured.snapshot_failures = self.snapshots.failures
             # what the harness costs, apart from the machine's noise (benchmarks/training_overhead.py)
             if self.measured.step_times:
                 stepped, own = sum(self.measured.step_times), sum(self.own_s.values())
@@ -328,6 +332,7 @@ class Context:
         from disk). A stop abandons the snapshot in flight rather than wait for it."""
         if self.snapshots is not None:
             self.snapshots.close(abandon=status != "completed")
+            self.measured.snapshot_failures = self.snapshots.failures  # the row's: every snapshot has ended
 
     def record_loss(self, loss: float) -> None:
         self.measured.losses.append(loss)

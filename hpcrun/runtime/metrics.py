@@ -30,6 +30,7 @@ class Measurements:
     checkpoint_saves: list[float] = dataclasses.field(default_factory=list)  # training stalled, per save
     checkpoint_writes: list[float] = dataclasses.field(default_factory=list)  # start to durable, per save
     snapshot_stalls: list[float] = dataclasses.field(default_factory=list)  # training stalled, per snapshot
+    snapshot_failures: int = 0  # snapshots failed on some rank, as counted once the last one ended
     restart_wait_s: float = 0.0  # waited at start for an earlier attempt's processes (hpcrun.runtime.predecessors)
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
     # the loop's start, the end of its warm-up and its latest step: three marks, not one per step,
@@ -90,6 +91,7 @@ def summarise(
     row["checkpoint_stall_s"] = sum(m.checkpoint_saves)
     row["checkpoint_write_s"] = statistics.fmean(m.checkpoint_writes) if m.checkpoint_writes else None
     row["snapshot_stall_s"] = sum(m.snapshot_stalls)
+    row["snapshot_failures"] = m.snapshot_failures
     row["restart_wait_s"] = m.restart_wait_s
     row.update(wall_clock(m, warmup, tokens_per_step))
     return row
