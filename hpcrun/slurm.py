@@ -25,7 +25,7 @@ TIMEOUT_S = 60
 # Set by the batch script of a job whose ranks run in a container: a directory where they ask it
 # to run the SLURM tools the container lacks (`through_batch_script`)
 PROXY_ENV = "HPCRUN_SLURM_PROXY"
-PROXIED = ("scontrol", "sacct", "sinfo", "squeue")  # the tools the batch script runs for them (sbatch.sh.j2)
+PROXIED = ("scontrol", "sacct", "sinfo", "squeue", "srun")  # the tools the batch script runs for them (sbatch.sh.j2)
 
 
 def run(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:

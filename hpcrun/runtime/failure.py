@@ -30,7 +30,7 @@ from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
 from hpcrun.runtime import heartbeat
 from hpcrun.runtime.cause import Failure, first_failure, step_message
-from hpcrun.runtime.nodes import exclusions, partition_size, probed_nodes, restart_nodes
+from hpcrun.runtime.nodes import clear_node_dirs, exclusions, partition_size, probed_nodes, restart_nodes
 from hpcrun.runtime.requeue import REQUEUEING, requeue
 from hpcrun.runtime.row import plan_row
 
@@ -281,6 +281,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         with open(next_file, "w") as out:  # the batch script starts the step again on these nodes
             out.write(",".join(decided["restart"]) + "\n")
     elif decided.get("requeue"):
+        unclear = clear_node_dirs([n for n in allocated if n not in lost + probed.silent])
+        if unclear:  # the next start on a node sweeps what is left there
+            print(f"[hpcrun] node-local directories not removed before the requeue: {unclear}", file=sys.stderr)
         requeue(run_dir, job_id, attempt, slurm_requeues)
     return decided.get("reason")
 

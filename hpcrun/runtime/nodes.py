@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import typing as tp
 from pathlib import Path
 
 from hpcrun import jobstate, slurm
+from hpcrun.errors import HpcrunError
 from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir
 from hpcrun.runtime.requeue import sacct_attempts
@@ -163,3 +165,25 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, attempt: int, slur
 
     run_dir.update_state(merge)
     return reason if wrote else None
+
+
+NODE_DIRS_ENV = "HPCRUN_NODE_DIRS"
+"""The batch script's node-local directories of this job start (snapshots, NVMe), one a line."""
+
+
+def clear_node_dirs(nodes: list[str]) -> str | None:
+    """Remove this job start's node-local directories (NODE_DIRS_ENV) on `nodes`, before the job
+    is requeued: once SLURM requeues it no step may start, so the batch script's own cleanup at
+    its exit is refused, and a requeued job can land on other nodes. Returns what went wrong (None:
+    nothing); a failure never stops the requeue."""
+    dirs = [d for d in os.environ.get(NODE_DIRS_ENV, "").splitlines() if d]
+    if not dirs or not nodes:
+        return None
+    count = str(len(nodes))
+    cmd = ["srun", "--overlap", f"--nodelist={','.join(nodes)}", f"--nodes={count}", f"--ntasks={count}",
+           "--ntasks-per-node=1", "rm", "-rf", "--", *dirs]
+    try:
+        out = slurm.run(cmd, timeout=60)
+    except HpcrunError as exc:
+        return exc.format_message()
+    return None if out.returncode == 0 else f"srun exited {out.returncode}: {out.stderr.strip()[-300:]}"

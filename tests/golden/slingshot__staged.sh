@@ -76,7 +76,7 @@ mkdir -p "${HPCRUN_SLURM_PROXY%/*}" && mkdir -m 700 "$HPCRUN_SLURM_PROXY"
       mapfile -d '' -t words <"$request" 2>/dev/null || continue  # its asker gave up and took it back
       rm -f "$request"
       case ${words[0]} in
-        scontrol|sacct|sinfo|squeue)
+        scontrol|sacct|sinfo|squeue|srun)
           "${words[@]}" </dev/null >"$answer.out" 2>"$answer.err" &
           tool=$!
           ( sleep 60; kill -KILL "$tool" ) </dev/null >/dev/null 2>&1 &
@@ -189,7 +189,9 @@ while :; do
   # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
   # dropped node not).
   job_nodes=$(scontrol show hostnames "$(held_nodes)" 2>/dev/null | paste -sd, - || true)
-  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes \
+  # the node-local directories go with a requeue: the failure step removes them before it asks
+  # for one (after it, SLURM refuses this script's cleanup at exit)
+  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_NODE_DIRS=$(printf '%s\n' "${node_dirs[@]}") \
   HPCRUN_PROBES="$srun_stderr.probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \

@@ -148,7 +148,9 @@ while :; do
   # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
   # dropped node not).
   job_nodes=$(scontrol show hostnames "$(held_nodes)" 2>/dev/null | paste -sd, - || true)
-  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes \
+  # the node-local directories go with a requeue: the failure step removes them before it asks
+  # for one (after it, SLURM refuses this script's cleanup at exit)
+  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_NODE_DIRS=$(printf '%s\n' "${node_dirs[@]}") \
   HPCRUN_PROBES="$srun_stderr.probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
     /usr/bin/python3 -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
