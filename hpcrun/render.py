@@ -16,7 +16,7 @@ from hpcrun.site import shipped_dirs
 
 # How long a failed training step may outlive its first failed task before the batch script ends
 # srun: srun waits for every task's end, and a lost node's tasks never report one.
-STEP_GRACE_S = 10
+STEP_GRACE_S = 5
 
 
 def quote(value: object) -> str:

@@ -316,6 +316,7 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     assert replica_step(pid, run_dir, job, second) > 10, "no replica newer than the disk checkpoint"
     try:
         faults.power_off(second)
+        off = time.time()
         # where the restarted ranks run: the node (network namespace) each process lives in
         ran = [faults.rank_pid(job, rank, timeout=120, attempt=1, nodes=(first, spare))[1] for rank in range(4)]
         final = wait_done(run_dir, timeout=300)
@@ -331,6 +332,16 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     assert state(run_dir).get("excluded_nodes") == [second], state(run_dir)
     failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
     assert f"node lost: {second}" in failed["reason"], failed["reason"]
+    # detected by its peers: the killed processes' connections close (gloo raises at once), else rank
+    # 0, after rank 3 in the pulse ring, hears no pulse for peer_timeout_s (5 s), looking twice a
+    # second: hpcrun's own wait, bounded with 3 s to spare. The record itself waits for srun's end
+    # and the failure step's start too (the machine's: printed)
+    said = [json.loads(path.read_text()) for path in RunDir(run_dir).exit_records(job, 0)]
+    seen = min((r["time"] for r in said if r["rank"] in (0, 1)), default=None)
+    assert seen is not None, said
+    recorded = failed["end_time"].timestamp() - off
+    print(f"\n[lost node] power off -> a peer saw it: {seen - off:.1f} s; -> recorded: {recorded:.1f} s")
+    assert seen - off <= 5 + 0.5 + 3, f"the first peer saw the lost node {seen - off:.1f} s after"
     # ranks 2-3 start on the spare, whose files of theirs are the copies the first node held,
     # newer than the disk checkpoint (step 10)
     restarted = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]

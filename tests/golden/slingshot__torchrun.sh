@@ -46,7 +46,7 @@ held_nodes() {  # the nodes SLURM says the job holds now; its start's list when 
   echo "${held:-$SLURM_JOB_NODELIST}"
 }
 unset HPCRUN_SLURM_PROXY  # a job submitted from inside another job's container must not use its tool loop
-trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr.probes"
+trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr".probes*
   kill -KILL "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"' EXIT
 
 # SLURM's tools for the ranks and the failure step, which run in the container and may find none
@@ -115,7 +115,8 @@ while :; do
   # (the last one's may linger in TIME_WAIT)
   export MASTER_ADDR="${nodes%%,*}"
   export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 997 * HPCRUN_ATTEMPT) % 12000))
-  rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending" "$srun_stderr.probes"
+  rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending"
+  probes="$srun_stderr.probes$restarts_in_job"  # this start's: an earlier start's late probe writes its own
   : >"$srun_stderr"
   # Only while the job runs: SLURM's own SIGTERM (a requeue, preemption, cancel, the time limit) finds it
   # ending, and scancel retries on an ending job until KillWait's SIGKILL, holding a requeue that long.
@@ -132,7 +133,7 @@ while :; do
     echo "${PIPESTATUS[0]}" >"$srun_stderr.status" ) &
   step=$!
   # srun waits for every task to report its end, and a lost node's never do: once a task has
-  # failed, a step still there 10 s later is ended by a watcher beside it (its tasks on live
+  # failed, a step still there 5 s later is ended by a watcher beside it (its tasks on live
   # nodes are gone). SLURM counts such a step as running until it drops the lost node: the steps
   # after it --overlap. This shell waits for the step itself, so a restart starts as it ends.
   ( trap '' USR2 TERM
@@ -143,13 +144,25 @@ while :; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
         failed_at=$SECONDS
-      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 10 ]; then
+        # The step's nodes probed now, beside SLURM's clients (the ranks' container may have none),
+        # read only if the step must be ended: a live node runs a step of `true` at once, a lost one
+        # never (and srun, told to stop, waits for it: hence -k). A controller that does not answer
+        # for the job either tells a busy slurmctld from lost nodes (hpcrun.runtime.nodes reads the
+        # file). 16 probes at a time, as srun asks slurmctld. Begun with the grace, not after it.
+        { ( set +e  # a probe's failure is its answer
+          printf '%s\n' ${nodes//,/ } | xargs -P 16 -I{} sh -c 'timeout -k 2 5 srun --overlap --nodes=1 \
+            --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
+          timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
+          echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
+      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 5 ]; then
         : >"$srun_stderr.ending"
-        echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 10 s (a node lost?)' | tee -a "$srun_stderr" >&2
+        echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$srun_stderr" >&2
         pkill -KILL -P "$step" -x srun || true
-        # and the step's tasks still on live nodes, before the failure step reads their records
+        # and the step's tasks still on live nodes, before the failure step reads their records: the
+        # signal leaves at once, but scancel waits ~MessageTimeout for a lost node's answer, so in
+        # the background (one for each step: the probes' too)
         for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
-          case $s in *.batch|*.extern) ;; *) scancel --signal=KILL "$s" 2>/dev/null || true ;; esac
+          case $s in *.batch|*.extern) ;; *) timeout 30 scancel --signal=KILL "$s" </dev/null >/dev/null 2>&1 3>&- & ;; esac
         done
         break
       fi
@@ -166,15 +179,8 @@ while :; do
   trap '' USR2 TERM
   [ "$step_status" -ne 0 ] || break
   if [ -e "$srun_stderr.ending" ]; then
-    # The step's nodes probed here, beside SLURM's clients (the ranks' container may have none):
-    # a live node runs a step of `true` at once, a lost one never (and srun, told to stop, waits for
-    # it: hence -k). A controller that does not answer for the job either tells a busy slurmctld
-    # from lost nodes (hpcrun.runtime.nodes reads the file). 16 probes at a time, as srun asks slurmctld.
-    ( set +e  # a probe's failure is its answer
-      printf '%s\n' ${nodes//,/ } | xargs -P 16 -I{} sh -c 'timeout -k 2 5 srun --overlap --nodes=1 \
-        --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
-      timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
-      echo "controller - $?" ) >>"$srun_stderr.probes" 3>&-
+    # the watcher's probes, begun when the first task failed: their answers, or their time out
+    for _ in $(seq $(( (5 + 5) * 5 ))); do [ -e "$probes" ] && break; sleep 0.2; done
   fi
   # one task on this node, inside the same container as the ranks: the interpreter named by the
   # site exists there, and so does hpcrun. SLURM's word on the job's nodes now (spares included, a
@@ -183,7 +189,7 @@ while :; do
   # the node-local directories go with a requeue: the failure step removes them before it asks
   # for one (after it, SLURM refuses this script's cleanup at exit)
   HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_NODE_DIRS=$(printf '%s\n' "${node_dirs[@]}") \
-  HPCRUN_PROBES="$srun_stderr.probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
+  HPCRUN_PROBES="$probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
     python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
