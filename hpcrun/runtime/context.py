@@ -7,6 +7,7 @@ decision to stop at a step boundary when a signal arrived.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import signal
@@ -236,8 +237,6 @@ class Context:
         keeps them, of in-memory snapshots (one due while the last is in flight is skipped), with the
         costs earlier attempts measured (their trainer state carries them), and the MTBF this job's
         own failures so far leave (`own_mtbf_s`)."""
-        import dataclasses
-
         def measured() -> float:
             return cadence.state_bytes(self.engine)
 
