@@ -215,8 +215,9 @@ def test_step_time_rising_or_falling_tenfold_keeps_the_wall_clock_bounds(factor:
 
 
 def test_ranks_agree_though_their_clocks_and_costs_differ() -> None:
-    """Four ranks, one of which stalls 30% longer at each snapshot: every rank decides the same at
-    every step (simulate asserts it), and the interval follows the slowest rank's cost."""
+    """Four ranks, one of which stalls 30% longer at each snapshot: the interval follows the slowest
+    rank's cost, which the vote's MAX gives every rank (each rank's decision reads only what the
+    vote agreed, so all decide alike: simulate checks it)."""
     expensive = Save(stall_s=20.0, write_s=1.0)  # 20 s: 1% allows one every 2,000 s, past the 5-minute cap
     trace = simulate(
         lambda done, now: 0.1, 3 * HOUR, memory=expensive, ranks=4, stall_factor=lambda rank: 1.3 if rank == 3 else 1.0,
@@ -247,6 +248,13 @@ def test_measured_costs_carried_into_a_restart_replace_the_estimate() -> None:
     carried.started(30.0)
     carried.observe(0.1, busy=False, anything_busy=False)
     assert carried.cost_s() == (pytest.approx(0.2), True)
+    assert carried.carry() == [0.2, 0.2], "the one-off save is not carried into the next restart either"
+    alone = Cadence(
+        policy(kind="checkpoint"), ENV, skips=False, state_bytes=lambda: 1e9, busy=lambda: False, first_allocates=True,
+    )
+    alone.started(40.0)
+    alone.observe(0.1, busy=False, anything_busy=False)
+    assert alone.carry() == [40.0], "with nothing else measured, the one-off save is the best figure there is"
 
 
 def test_the_cost_counts_the_steps_slowed_beside_the_background_half() -> None:

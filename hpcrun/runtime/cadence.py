@@ -8,7 +8,7 @@ near zero; on CPU ranks sharing cores with the writer it is most of the cost, an
 stall alone would hide it.
 
 A save spaced by time is due by the wall clock: each rank casts, with the stop vote
-(hpcrun.runtime.context `StopVote`, every ~0.25 s whatever the step time), whether its clock says
+(hpcrun.runtime.vote `StopVote`, every ~0.25 s whatever the step time), whether its clock says
 the interval since the last save has passed, whether its last save is still in flight, and its
 measured cost; every rank reads the MAX of those at the same step and decides alike. So the
 interval comes from the slowest rank's figures, a save in flight on any rank holds the next one
@@ -95,12 +95,17 @@ class Cadence:
         self._clean: collections.deque[float] = collections.deque(maxlen=64)  # step times, nothing in flight
         self._flight: _Flight | None = None
 
-    def cost_s(self) -> tuple[float, bool]:
-        """This rank's cost of one save, and whether it was measured (in this attempt or an earlier one)."""
+    def carry(self) -> list[float]:
+        """The measured costs a restart should plan from (the trainer state carries them): the
+        recent ones `cost_s` uses, the one-off first save of this attempt left out while others exist."""
         own = self.costs[1:] if self.first_allocates and len(self.costs) > 1 else self.costs
         if self.carried and self.first_allocates and len(self.costs) == 1:
             own = []  # the one-off allocation's save: an earlier attempt's figures are nearer the truth
-        recent = (self.carried + own)[-RECENT_COSTS:]
+        return (self.carried + own)[-RECENT_COSTS:]
+
+    def cost_s(self) -> tuple[float, bool]:
+        """This rank's cost of one save, and whether it was measured (in this attempt or an earlier one)."""
+        recent = self.carry()
         if recent:
             return max(statistics.median(recent), LEAST_COST_S), True
         if self._estimate_s is None:  # the state's size once: it does not change within an attempt

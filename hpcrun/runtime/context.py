@@ -24,7 +24,7 @@ from hpcrun.recipe import EntrypointJob
 from hpcrun.rundir import RunDir, local_scratch, manifest, nvme_job_dir
 from hpcrun.runtime import cadence, snapshot
 from hpcrun.runtime import checkpoint as ckpt
-from hpcrun.runtime.cadence import BALLOT, RECENT_COSTS, Cadence
+from hpcrun.runtime.cadence import BALLOT, Cadence
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.metrics import Measurements
 from hpcrun.runtime.pulse import Pulse
@@ -296,7 +296,7 @@ class Context:
     def trainer_state(self, step: int) -> dict[str, tp.Any]:
         """What every save holds beside the engine's state: the step, when it was saved, and what
         saves of each kind measured (a restart plans from them, not from an estimate)."""
-        costs = {kind.policy.kind: (kind.carried + kind.costs)[-RECENT_COSTS:] for kind in self.cadences}
+        costs = {kind.policy.kind: kind.carry() for kind in self.cadences}
         return {"step": step, "saved_at": time.time(), "save_costs": costs}
 
     def global_losses(self) -> list[float]:
