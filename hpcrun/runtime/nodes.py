@@ -167,6 +167,10 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, attempt: int, slur
     return reason if wrote else None
 
 
+CLEAR_S = 15
+"""The longest the removal before a requeue may hold it (a node SLURM still lists but that no
+longer answers): a requeue asked for at the time limit must come before the job's end."""
+
 NODE_DIRS_ENV = "HPCRUN_NODE_DIRS"
 """The batch script's node-local directories of this job start (snapshots, NVMe), one a line."""
 
@@ -183,7 +187,7 @@ def clear_node_dirs(nodes: list[str]) -> str | None:
     cmd = ["srun", "--overlap", f"--nodelist={','.join(nodes)}", f"--nodes={count}", f"--ntasks={count}",
            "--ntasks-per-node=1", "rm", "-rf", "--", *dirs]
     try:
-        out = slurm.run(cmd, timeout=60)
+        out = slurm.run(cmd, timeout=CLEAR_S)
     except HpcrunError as exc:
         return exc.format_message()
     return None if out.returncode == 0 else f"srun exited {out.returncode}: {out.stderr.strip()[-300:]}"

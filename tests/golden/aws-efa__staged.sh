@@ -161,11 +161,14 @@ while :; do
         : >"$srun_stderr.ending"
         echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$srun_stderr" >&2
         pkill -KILL -P "$step" -x srun || true
-        # and the step's tasks still on live nodes, before the failure step reads their records: the
-        # signal leaves at once, but scancel waits ~MessageTimeout for a lost node's answer, so in
-        # the background (one for each step: the probes' too)
+        # and the step's tasks still on live nodes: the signal leaves at once, but scancel waits
+        # ~MessageTimeout for a lost node's answer, so in the background (the probes' steps too). A
+        # restart's ranks wait for what is left of them on their node (hpcrun.runtime.predecessors)
         for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
-          case $s in *.batch|*.extern) ;; *) timeout 30 scancel --signal=KILL "$s" </dev/null >/dev/null 2>&1 3>&- & ;; esac
+          case $s in
+            *.batch|*.extern) ;;
+            *) timeout 30 scancel --signal=KILL "$s" </dev/null >/dev/null 2>&1 3>&- & ;;
+          esac
         done
         break
       fi
@@ -191,7 +194,7 @@ while :; do
   job_nodes=$(scontrol show hostnames "$(held_nodes)" 2>/dev/null | paste -sd, - || true)
   # the node-local directories go with a requeue: the failure step removes them before it asks
   # for one (after it, SLURM refuses this script's cleanup at exit)
-  HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes HPCRUN_NODE_DIRS=$(printf '%s\n' "${node_dirs[@]}") \
+  HPCRUN_NODE_DIRS=$(printf '%s\n' "${node_dirs[@]}") HPCRUN_STEP_NODES=$nodes HPCRUN_JOB_NODES=$job_nodes \
   HPCRUN_PROBES="$probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
