@@ -16,6 +16,7 @@ whose rows it wrote.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import stat
 import typing as tp
@@ -41,6 +42,7 @@ __all__ = [
     "load_steps",
     "read",
     "resolve_dir",
+    "run_rows",
     "table",
     "write_attempt",
 ]
@@ -128,6 +130,14 @@ COLUMNS: dict[str, pa.DataType] = {
     "recovery_overhead": F,
     # a restart's wait at start for the previous attempt's processes to leave its nodes (the longest rank's)
     "restart_wait_s": F,
+    # per fault (hpcrun.goodput), null where there was none and in files written before they were measured.
+    # A failed attempt's seconds from its last completed step to the first rank that noticed (or to its record)
+    "detect_s": F,
+    # the attempt after a failed one: seconds from that notice (after a requeue: from the job's new start) to its
+    # first step, the steps it ran again (the failed attempt's furthest, less where it resumed) and their time
+    "restart_s": F,
+    "recomputed_steps": I,
+    "recompute_s": F,
     "slow_ranks": S,
     "resumed_from": S,  # memory / replica (in-memory snapshots), disk, or None: started from step 0
 }
@@ -278,6 +288,49 @@ def load(results_dir: str | Path, **filters: tp.Any) -> pd.DataFrame:
         values = wanted if isinstance(wanted, (list, tuple, set)) else [wanted]
         df = df[df[column].isin(values)]
     return df.reset_index(drop=True)
+
+
+def run_rows(results_dir: str | Path, run_id: str, columns: tp.Sequence[str]) -> list[dict[str, tp.Any]]:
+    """One run's rows, `columns` of them only (None where a file lacks one), without reading the
+    rest of the table: the run's own attempt files and the merged ones, with pyarrow.parquet
+    alone (`read` takes pyarrow.dataset, which imports pandas: `hpcrun status` on a login node
+    does without). A file that is not readable results is skipped with a warning."""
+    directory = Path(results_dir)
+    wanted = list(dict.fromkeys(["attempt_id", "run_id", *columns]))
+    for attempt in range(5):
+        found: dict[str, dict[str, tp.Any]] = {}
+        try:
+            for path in files(directory):
+                if "__" in path.name and not path.name.startswith(f"{run_id}__"):
+                    continue  # another run's attempt file (hpcrun.rundir.attempt_file)
+                for row in _rows_of(path, run_id, wanted):
+                    found.setdefault(str(row["attempt_id"]), row)  # compaction briefly leaves copies
+            return list(found.values())
+        except Vanished:  # merged into a new file meanwhile: list again, it is there now
+            if attempt == 4:
+                raise
+    return []
+
+
+def _rows_of(path: Path, run_id: str, columns: list[str]) -> list[dict[str, tp.Any]]:
+    try:
+        data = pq.ParquetFile(path)
+        present = [c for c in columns if c in data.schema_arrow.names]
+        read = data.read(columns=present) if "run_id" in present else SCHEMA.empty_table().select(["run_id"])
+        # a zoned timestamp's to_pylist imports pandas: read the UTC values unzoned, zoned again below
+        zoned = {f.name: f.type.unit for f in read.schema if pa.types.is_timestamp(f.type) and f.type.tz}
+        for name, unit in zoned.items():
+            read = read.set_column(read.schema.get_field_index(name), name, read[name].cast(pa.timestamp(unit)))
+        rows = read.to_pylist()
+    except FileNotFoundError as exc:
+        raise Vanished(str(path)) from exc
+    except (pa.ArrowException, OSError) as exc:
+        warnings.warn(f"{path}: skipped, not readable results ({exc})", stacklevel=3)
+        return []
+    return [
+        {**dict.fromkeys(columns), **row, **{k: row[k].replace(tzinfo=dt.timezone.utc) for k in zoned if row[k]}}
+        for row in rows if row.get("run_id") == run_id and row.get("attempt_id")
+    ]
 
 
 def compact(results_dir: str | Path, wait: bool = True) -> tuple[int, int]:

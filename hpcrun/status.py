@@ -312,6 +312,26 @@ def run_notes(reason: str, mark: dict[str, tp.Any]) -> str:
     return reason.lstrip("; ")
 
 
+def goodput_line(run_dir: Path, status: RunStatus) -> str | None:
+    """One run's goodput and its seconds lost by cause (hpcrun.goodput), when it has failed
+    attempts: its own rows are read only for a run that has had more than one attempt, so the
+    view of a run that never restarted reads no results."""
+    if not (status.restarts or status.in_job):
+        return None
+    from hpcrun.goodput import COLUMNS, goodput
+    from hpcrun.results import run_rows
+    from hpcrun.rundir import CorruptStateError, read_json
+
+    try:
+        spec = read_json(RunDir(run_dir).spec, {})
+    except CorruptStateError:
+        return None
+    if not (isinstance(spec, dict) and spec.get("results_dir")):
+        return None
+    found = goodput(run_rows(spec["results_dir"], str(spec.get("run_id") or status.run_id), COLUMNS))
+    return found.line() if found is not None and found.failures else None
+
+
 def scheduler_age(waited_s: float) -> float:
     """How old a scheduler answer a long wait accepts: POLL_S for the first minute, then a
     twentieth of the time waited, at most MAX_WAIT_AGE_S (a day-long wait asks twice a minute;

@@ -4,6 +4,7 @@ previous attempt's again. The step's nodes all answer their probes: nothing is l
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,8 @@ def test_unrelated_kills_between_disk_checkpoints_are_not_the_same_failure(
     progress.write(run_dir.progress, 90, 1000, 2.4, None, 0.1, JOB, 1, None)
     reason = killed(run_dir, monkeypatch, tmp_path, 1)
     assert reason and "restarting in the job (2 of 5)" in reason, reason
-    assert run_dir.state()["failure"] == {"error": "Killed (SIGKILL)", "resumed": None, "reached": 90}
+    assert run_dir.state()["failure"] == {"error": "Killed (SIGKILL)", "resumed": None, "reached": 90,
+                                          "detected": pytest.approx(time.time(), abs=60)}
     # the third got no step past 90 (its heartbeat: step index 89 done; progress.json is the
     # second attempt's, not its own): the same failure again
     heartbeat.write(run_dir, JOB, 2, 0, 89, 0.0)
@@ -129,4 +131,37 @@ def test_how_far_the_peers_got_tells_progress(tmp_path: Path, monkeypatch: pytes
         reason = record_failed_step(run_dir, 137, srun)
         assert reason and reason.startswith("rank 0 on node1: Killed (SIGKILL)"), reason
         assert ("the same failure as the previous attempt" in reason) is again, (attempt, reason)
-        assert run_dir.state()["failure"] == {"error": "Killed (SIGKILL)", "resumed": first, "reached": step}
+        said = {"error": "Killed (SIGKILL)", "resumed": first, "reached": step}
+        assert {k: v for k, v in run_dir.state()["failure"].items() if k in said} == said
+
+
+def test_the_failed_row_says_how_long_detection_took(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's heartbeat says its last step ended 30 s ago; rank 1, whose collective broke, says
+    its own last step ended 12 s ago (the heartbeat is written every few seconds: the later one
+    is the attempt's last progress) and that it noticed 8 s ago; rank 0 noticed 5 s ago. The row
+    says 4 s of detection, and state.json when the failure was noticed (where the next attempt's
+    restart begins). Killed at once, with no record: detection runs to the record itself."""
+    from hpcrun.results import load
+    from hpcrun.rundir import read_json, write_json
+    from hpcrun.runtime import heartbeat
+
+    run_dir, spec = function_run(tmp_path)
+    failure_step_env(monkeypatch, tmp_path, 0)
+    now = time.time()
+    heartbeat.write(run_dir, JOB, 0, 0, 39, now - 30)
+    for rank, stepped, noticed in ((1, now - 12, now - 8), (0, now - 20, now - 5)):
+        write_exit_record(run_dir, JOB, 0, rank, PEER_LEFT, 40, {"first_step": 0, "last_step": 40}, stepped=stepped)
+        path = run_dir.exit_record(JOB, 0, rank)
+        write_json(path, {**read_json(path, None), "time": noticed})
+    record_failed_step(run_dir, 1, "srun: error: node2: task 1: Exited with exit code 1\n")
+    assert run_dir.state()["failure"]["detected"] == pytest.approx(now - 8)
+    rows = load(spec.results_dir)
+    assert rows["detect_s"].tolist() == [pytest.approx(4.0)]
+
+    failure_step_env(monkeypatch, tmp_path, 1)
+    heartbeat.write(run_dir, JOB, 1, 0, 59, now - 30)
+    record_failed_step(run_dir, 137, "srun: error: node1: task 0: Killed\nsrun: error: node2: task 1: Killed\n")
+    second = load(spec.results_dir).set_index("restart_count").loc[1]
+    recorded = second["end_time"].timestamp()
+    assert second["detect_s"] == pytest.approx(recorded - (now - 30))
+    assert run_dir.state()["failure"]["detected"] == pytest.approx(recorded)

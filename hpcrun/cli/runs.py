@@ -29,7 +29,7 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
     import time
 
     from hpcrun.progress import counts_line, duration, live, rate
-    from hpcrun.status import statuses
+    from hpcrun.status import goodput_line, statuses
 
     if timeout is not None and not wait:
         raise HpcrunError("--timeout only bounds --wait", field="--timeout")
@@ -70,6 +70,9 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
         lines.append(f"{scheduled} {step:>13} {percent:>4} {tokens:>6} {eta:>8} {ckpt:>6}  {r.reason}".rstrip())
     if len(rows) == 1 and rows[0].progress:  # one run: how its saves are spaced, and why
         lines += [f"  {line}" for line in rows[0].progress.saves]
+    if len(rows) == 1:  # one run: what its failures cost
+        found = next((goodput_line(Path(d), rows[0]) for d in dirs if Path(d).name == rows[0].run_id), None)
+        lines += [f"  {found}"] if found else []
     click.echo("\n".join(lines))
     click.echo(f"(from {', '.join(sources)})", err=True)
 

@@ -194,6 +194,32 @@ def _agreement_html(agree: pd.DataFrame) -> str:
     )
 
 
+def _goodput_html(summary: pd.DataFrame) -> str:
+    """Per run with a failed attempt: its goodput and the seconds its failures lost, by cause
+    (hpcrun.goodput); nothing for a report whose runs never failed."""
+    from hpcrun.goodput import goodput
+
+    failed = summary["status"].eq("failed").fillna(False).astype(bool)
+    rows = []
+    for run_id in sorted(str(r) for r in summary.loc[failed, "run_id"].dropna().unique()):
+        attempts = summary[summary["run_id"] == run_id]
+        found = goodput(attempts.to_dict("records"))
+        if found is None:
+            continue
+        lost = (found.detect_s, found.restart_s, found.recompute_s, found.queue_s)
+        rows.append([_e(run_id), _e(len(attempts)), _e(found.failures), units.percent(found.goodput),
+                     *(f"{s:.0f} s" for s in lost)])
+    if not rows:
+        return ""
+    header = ["run", "attempts", "failed", "goodput", "detecting", "restarting", "recomputing", "in the queue"]
+    return (
+        "<h2>Failures and goodput</h2>" + _table(header, rows)
+        + '<p class="sub">goodput: training time over wall time (first start to last end); the seconds lost to '
+        "detecting each failure, restarting after it, recomputing the steps it undid, and waiting between "
+        "attempts. The rest of what is lost goes to saves and start-up.</p>"
+    )
+
+
 def _provenance(done: pd.DataFrame) -> str:
     def values(column: str) -> str:
         if column not in done.columns:
@@ -274,6 +300,7 @@ def render(
 <h2>Summary</h2>
 {_table(header, rows)}
 <p class="sub">{html.escape(WALL_CLOCK)}</p>
+{_goodput_html(summary)}
 <h2>Scaling and throughput</h2>
 {"".join(_img(f) for f in plots[:2])}
 <h2>Loss curves</h2>

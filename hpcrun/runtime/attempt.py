@@ -71,8 +71,10 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         raised = isinstance(exc, CallRaised)
         status, reason = "failed", str(exc) if raised else f"{type(exc).__name__}: {exc}"
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
+            latest = ctx.measured.latest  # the end of this rank's last completed step: where detection starts
             failure.write_exit_record(ctx.run_dir, env.job_id, env.attempt, env.rank, reason, ctx.step,
-                                      result_row(ctx, status, reason, peak_memory_bytes(ctx.device)), final=raised)
+                                      result_row(ctx, status, reason, peak_memory_bytes(ctx.device)), final=raised,
+                                      stepped=ctx.measured.unix_time(latest) if latest and latest.steps else None)
         else:  # locally the first failing rank records the attempt (finish keeps the first)
             finish(ctx, status, reason, collective=False)
         raise

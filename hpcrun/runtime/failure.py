@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hpcrun import jobstate, slurm
 from hpcrun.errors import HpcrunError
+from hpcrun.goodput import detect_s
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
@@ -100,10 +101,12 @@ def name_silent(run_dir: RunDir, job_id: str, attempt: int, failure: Failure, re
 
 def write_exit_record(
     run_dir: RunDir, job_id: str, attempt: int, rank: int, error: str, step: int, row: dict[str, tp.Any],
-    final: bool = False,
+    final: bool = False, stepped: float | None = None,
 ) -> None:
     """A failing rank's word, for the one writer of the attempt's record. `final`: the error is
-    the run's outcome (a function job's call raised), which no restart or requeue changes."""
+    the run's outcome (a function job's call raised), which no restart or requeue changes.
+    `stepped`: when its last completed step ended (unix time; None: none did), and `time` when it
+    noticed: the failure's detection (hpcrun.goodput)."""
     import time
 
     record = {
@@ -114,6 +117,7 @@ def write_exit_record(
         "time": time.time(),
         "row": row,
         "final": final,
+        "stepped": stepped,
     }
     write_json(run_dir.exit_record(job_id, attempt, rank), json.loads(json.dumps(record, default=str)))
 
@@ -129,24 +133,34 @@ def _said(path: Path) -> dict[str, tp.Any]:
 
 
 def reached(
-    run_dir: RunDir, job_id: str, attempt: int, records: list[dict[str, tp.Any]]
+    run_dir: RunDir, job_id: str, attempt: int, records: list[dict[str, tp.Any]], beat: dict[str, tp.Any]
 ) -> tuple[int | None, int | None]:
     """How far the attempt got, in steps done: the step it resumed at and the furthest it reached,
     None where nothing says. The ranks' exit records say both (the step each failed in, its row's
-    first step); rank 0's heartbeat and progress.json, when they are this attempt's, how far it got
-    where no rank lived to write one. One file each: not every rank's heartbeat."""
+    first step); rank 0's heartbeat (`beat`) and progress.json, when they are this attempt's, how
+    far it got where no rank lived to write one. One file each: not every rank's heartbeat."""
     rows = [r["row"] for r in records if isinstance(r.get("row"), dict)]
     resumed = min((int(row["first_step"]) for row in rows if isinstance(row.get("first_step"), int)), default=None)
     steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
-    beat = _said(run_dir.heartbeat(job_id, attempt, 0)).get("step")
-    if isinstance(beat, int) and beat >= 0:  # the index of its last completed step; -1: none yet
-        steps.append(beat + 1)
+    step = beat.get("step")
+    if isinstance(step, int) and step >= 0:  # the index of its last completed step; -1: none yet
+        steps.append(step + 1)
     progress = _said(run_dir.progress)
     if (progress.get("job_id"), progress.get("restart_count")) == (job_id, attempt) and isinstance(
         progress.get("step"), int
     ):
         steps.append(int(progress["step"]))
     return resumed, max(steps, default=None)
+
+
+def progressed_at(records: list[dict[str, tp.Any]], beat: dict[str, tp.Any]) -> float | None:
+    """When the attempt last made progress (unix time): the latest end of a completed step that the
+    exit records or rank 0's heartbeat (`beat`, written every few seconds) tell; None: none told.
+    Not progress.json's `updated`: that is when its writer got round to it, after the step."""
+    ends = [float(r["stepped"]) for r in records if isinstance(r.get("stepped"), (int, float))]
+    if isinstance(beat.get("step"), int) and beat["step"] >= 0 and isinstance(beat.get("stepped"), (int, float)):
+        ends.append(float(beat["stepped"]))
+    return max(ends, default=None)
 
 
 def signature(error: str, resumed: int | None, furthest: int | None) -> dict[str, tp.Any]:
@@ -205,7 +219,10 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
     final = call_error is not None
     if call_error is not None and isinstance(spec.recipe.job, FunctionJob):
         failed_call(spec.recipe.job, run_dir, job_id, spec.world_size, call_error)
-    said_failure = signature(failure.what, *reached(run_dir, job_id, attempt, records))
+    beat = _said(run_dir.heartbeat(job_id, attempt, 0))
+    said_failure = signature(failure.what, *reached(run_dir, job_id, attempt, records, beat))
+    progressed = progressed_at(records, beat)
+    noticed = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
     row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
@@ -270,7 +287,10 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
                 reason += f"; {REQUEUEING}"  # until SLURM has (settle)
         decided["reason"] = reason
         # the row before the state, so whoever reads "failed" finds it (see attempt.finish)
-        row.update(status="failed", reason=reason, end_time=dt.datetime.now(dt.timezone.utc))
+        now = dt.datetime.now(dt.timezone.utc)
+        # noticed by the first rank that left a record, else by this record: the next attempt's restart_s starts here
+        said_failure["detected"] = detected = min(noticed, default=now.timestamp())
+        row.update(status="failed", reason=reason, end_time=now, detect_s=detect_s(progressed, detected))
         write_attempt(spec.results_dir, row)
         restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if "restart" in decided else 0)
         return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": attempt,

@@ -48,6 +48,11 @@ class Measurements:
             self.warm = mark
         self.latest = mark
 
+    def unix_time(self, mark: Mark | None) -> float | None:
+        """When `mark` was, as unix time (a failure's accounting compares it with other processes'
+        clocks): converted once, here, so the loop keeps to one clock read per mark."""
+        return None if mark is None else time.time() - (time.perf_counter() - mark.at)
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA allocator peak on GPU; the process's peak RSS on CPU."""

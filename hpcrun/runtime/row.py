@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import os
 import sys
 import typing as tp
 
@@ -94,12 +95,38 @@ def result_row(ctx: Attempt, status: str, reason: str | None, peak: int) -> dict
         spec.size.flops_per_token(t.seq_len) if spec.size else None, spec.peak_tflops,
     )
     ds_version = sys.modules["deepspeed"].__version__ if "deepspeed" in sys.modules else None
+    last_step = ctx.step if not ctx.stopped else ctx.step + 1
     return {
         **plan_row(spec, ctx.env.job_id, ctx.env.attempt, ctx.env.node_list),
         "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
         "torch_version": torch.__version__, "deepspeed_version": ds_version,
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "first_step": ctx.start_step, "last_step": ctx.step if not ctx.stopped else ctx.step + 1,
+        "first_step": ctx.start_step, "last_step": last_step,
         "peak_memory_bytes": peak, **measured, "slow_ranks": ctx.slow_ranks(), "extra": dict(ctx.measured.extra),
-        "resumed_from": ctx.resumed_from,
+        "resumed_from": ctx.resumed_from, **recovery(ctx, last_step, measured["step_time_p50_s"]),
     }
+
+
+def recovery(ctx: Attempt, last_step: int, step_time_s: float | None) -> dict[str, tp.Any]:
+    """This attempt's restart and recomputation after a failed previous attempt of its job
+    (hpcrun.goodput.restart_columns), from that attempt's record in state.json. Read only on SLURM
+    by the ranks that build a row (rank 0, failing ranks): locally no attempt is recorded failed."""
+    from hpcrun import goodput
+    from hpcrun.rundir import CorruptStateError
+    from hpcrun.runtime import timeouts
+
+    env, began = ctx.env, ctx.measured.started
+    if ctx.spec.scheduler != "slurm" or env.attempt == 0 or began is None:  # no previous attempt, or no loop ran
+        return goodput.restart_columns(None, None, None, ctx.start_step, last_step, step_time_s)
+    run_dir = RunDir(ctx.spec.run_dir)
+    try:
+        state = run_dir.state()
+    except CorruptStateError:  # the row is written all the same, without the accounting
+        state = {}
+    ours = (state.get("job_id"), state.get("restart_count")) == (env.job_id, env.attempt - 1)
+    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
+    allocation = timeouts.allocation_start(run_dir, env.allocation_id, env.attempt, in_job)
+    return goodput.restart_columns(
+        state.get("failure") if ours else None, ctx.measured.unix_time(began), allocation, ctx.start_step,
+        last_step, step_time_s,
+    )

@@ -185,7 +185,8 @@ class Watchdog:
                     self.say(f"stacks not written: {type(exc).__name__}: {exc}")
             # the attempt's one record (hpcrun.runtime.failure) reads why this rank ended and names
             # the silent ranks; no seconds in it, so the same hang at the same step twice is the same failure
-            failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, error, self.step + 1, {})
+            failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, error, self.step + 1, {},
+                                      stepped=self.last_wall if self.step >= 0 else None)
         except Exception as exc:  # noqa: BLE001
             self.say(f"hang not recorded: {type(exc).__name__}: {exc}")
         finally:
