@@ -185,7 +185,8 @@ class Fault(Frozen):
     hang_timeout_s: int | None = pydantic.Field(default=None, ge=10)
     """A rank that makes no step progress this long is hung: stacks are dumped and the attempt
     ends. None: derived from the job's own steps, 5 times the slowest of the last 100 (at least
-    30 s), and not counted while the training thread keeps a core busy (hpcrun.runtime.watchdog)."""
+    120 s), and not counted while the training thread keeps a core busy, for up to 10 minutes
+    (hpcrun.runtime.watchdog)."""
     peer_timeout_s: float | None = pydantic.Field(default=5.0, ge=1)
     """A rank whose pulse (a datagram its watchdog thread sends the next rank twice a second) stops
     this long has stopped, died or lost its node: the next rank ends the attempt, naming it

@@ -8,15 +8,20 @@ SLURM's down-node timeout. A rank that is slow but alive (a long save, evaluatio
 keeps pulsing from its watchdog thread, which runs whatever the training thread does.
 
 Each rank sends one datagram to one peer and hears one: O(1) per rank whatever the job's size,
-nothing on the shared filesystem, no central server. A rank that leaves the loop says so ("bye"),
-so its peer does not take a normal end for a silent one. Addresses are exchanged once per attempt
-(a collective at the loop's start); the address is the one this node routes to MASTER_ADDR by.
+nothing on the shared filesystem, no central server, on a thread of its own (a heartbeat write
+stalled on a shared filesystem must not silence a live rank). A rank that leaves the loop says so
+("bye"), so its peer does not take a normal end for a silent one. Addresses are exchanged once per
+attempt (a collective at the loop's start): each rank listens on every interface and says the
+address its node routes to MASTER_ADDR by; a peer on the same node is reached on loopback, and one
+that could only name a loopback address (its hostname mapped to 127.0.1.1, as Debian does) by its
+node's name.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import typing as tp
 
@@ -45,16 +50,42 @@ class Pulse:
         """`gather`: a collective that returns every rank's value (all_gather_object), called once."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((local_address(master), 0))
+        self.sock.bind(("0.0.0.0", 0))
         self.sock.setblocking(False)
-        mine = [*self.sock.getsockname()[:2], host]
-        peers = gather(json.dumps(mine))
-        self.peers = [json.loads(p) for p in peers]
-        self.next = tuple(self.peers[(rank + 1) % world_size][:2])
+        mine = [local_address(master), self.sock.getsockname()[1], host]
+        self.peers = [json.loads(p) for p in gather(json.dumps(mine))]
+        self.next = self.address_of(self.peers[(rank + 1) % world_size], host)
         self.previous = (rank - 1) % world_size
         self.heard = time.monotonic()  # the ring starts together: the collective above
         self.gone = False  # the rank before said bye
         self.sent = 0
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @staticmethod
+    def address_of(peer: list[tp.Any], host: str) -> tuple[str, int]:
+        """Where to send to `peer` ([address, port, node]) from a rank on node `host`."""
+        address, port, node = str(peer[0]), int(peer[1]), str(peer[2])
+        if node == host:
+            return "127.0.0.1", port
+        if address.startswith("127."):
+            try:
+                return socket.gethostbyname(node), port
+            except OSError:
+                pass
+        return address, port
+
+    def start(self, on_silent: tp.Callable[[float], None]) -> None:
+        """Pulse from a thread of its own; `on_silent(seconds)` when the rank before falls silent."""
+        def run() -> None:
+            while not self.done.wait(PULSE_S):
+                self.tick()
+                quiet = self.silent_s()
+                if quiet is not None and not self.done.is_set():
+                    on_silent(quiet)
+
+        self.thread = threading.Thread(target=run, name="hpcrun-pulse", daemon=True)
+        self.thread.start()
 
     @property
     def watched(self) -> str:
@@ -89,6 +120,9 @@ class Pulse:
 
     def close(self) -> None:
         """Leaving the loop: tell the next rank (three times: datagrams may be lost), then close."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(2 * PULSE_S)
         for _ in range(3):
             try:
                 self.sock.sendto(BYE, self.next)

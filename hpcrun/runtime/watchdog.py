@@ -38,13 +38,14 @@ import typing as tp
 
 from hpcrun.rundir import RunDir
 from hpcrun.runtime import failure, heartbeat
-from hpcrun.runtime.pulse import PULSE_S, Pulse
+from hpcrun.runtime.pulse import Pulse
 
 EXIT_HUNG = 75
-FLOOR_S = 30.0  # the derived timeout's floor: a data stall or an evaluation step shorter is not a hang
+FLOOR_S = 120.0  # the derived timeout's floor: a data stall, or rank 0's evaluation while the others wait, shorter
 STEP_FACTOR = 5  # the derived timeout: this many times the slowest recent step (NVRx's launcher uses 5)
 RECENT = 100  # steps whose slowest sets the derived timeout
 BUSY_SHARE = 0.05  # a training thread on a core this share of the time (a loaded machine gives it little) works
+BUSY_CAP_S = 600.0  # busy without a step for longer is hung all the same (a GPU wait spins a core: CUDA's default)
 
 
 def derived_timeout(step_times: tp.Iterable[float], floor_s: float = FLOOR_S) -> float:
@@ -69,16 +70,17 @@ class Watchdog:
 
     def __init__(
         self, run_dir: RunDir, job_id: str, attempt: int, rank: int, world_size: int, timeout_s: float | None,
-        pulse: Pulse | None = None, floor_s: float = FLOOR_S,
+        pulse: Pulse | None = None, floor_s: float = FLOOR_S, busy_cap_s: float = BUSY_CAP_S,
     ) -> None:
         self.run_dir, self.job_id, self.attempt, self.rank, self.world_size = run_dir, job_id, attempt, rank, world_size
         self.fixed = timeout_s
         self.timeout_s: float | None = timeout_s
-        self.pulse, self.floor_s = pulse, floor_s
+        self.pulse, self.floor_s, self.busy_cap_s = pulse, floor_s, busy_cap_s
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.main_thread = threading.main_thread().ident
         self.cpu_at: tuple[float, float] | None = None  # (monotonic, the training thread's CPU seconds)
-        self.last = time.monotonic()
+        self.last = time.monotonic()  # the hang clock's start: the last step's end, or work seen since
+        self.stepped = self.last  # the last step's end (monotonic)
         self.last_wall = time.time()
         self.step = -1  # no step completed yet: not timed (see the module's docstring)
         self.saves = 0  # saves in progress: not timed
@@ -89,11 +91,13 @@ class Watchdog:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hpcrun-watchdog", daemon=True)
         self.thread.start()
+        if pulse is not None:  # on a thread of its own: a heartbeat write stalled on the filesystem waits here
+            pulse.start(self.fire_silent)
 
     def beat(self, step: int, seconds: float) -> None:
         """Step `step` completed in `seconds`: progress. Two stores on the training thread; the
         heartbeat file is written by the watchdog's own thread."""
-        self.last = time.monotonic()
+        self.last = self.stepped = time.monotonic()
         self.last_wall = time.time()
         self.step = step
         if self.fixed is None:
@@ -132,17 +136,12 @@ class Watchdog:
         return before is not None and now > before[0] and (cpu - before[1]) / (now - before[0]) >= BUSY_SHARE
 
     def _watch(self) -> None:
-        tick = PULSE_S if self.pulse is not None else 1.0
-        while not self.done.wait(tick):
+        while not self.done.wait(1.0):
             try:
-                if self.pulse is not None:
-                    self.pulse.tick()
-                    quiet = self.pulse.silent_s()
-                    if quiet is not None and not self.done.is_set():
-                        self.fire_silent(quiet)
                 timeout = self.timeout_s
                 timed = self.step >= 0 and not self.saves
-                if timed and self.fixed is None and self.working():
+                busy = timed and self.fixed is None and self.working()
+                if busy and time.monotonic() - self.stepped < self.busy_cap_s:
                     self.last = time.monotonic()  # evaluation, compiling: busy on a core is not hung
                 if timeout is not None and timed and time.monotonic() - self.last > timeout:
                     self.fire(timeout)
