@@ -13,6 +13,7 @@ from submitit.core.utils import JobPaths
 from hpcrun.plan import RunSpec, plan
 from hpcrun.recipe import Recipe
 from hpcrun.rundir import RunDir
+from hpcrun.runtime import failure
 from hpcrun.runtime.failure import record_failed_step, write_exit_record
 from hpcrun.site import load_site
 
@@ -122,10 +123,11 @@ def test_unrelated_kills_between_disk_checkpoints_are_not_the_same_failure(
 def test_how_far_the_peers_got_tells_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 killed without a record; rank 1 left one when its collective broke, with the step
     it was in and where its attempt resumed. Further than the previous attempt: a new failure;
-    resumed from a snapshot and killed again short of it: the same one."""
+    resumed from a snapshot and killed short of it after some steps: a new one too (progress);
+    killed again at that very step: the same one."""
     run_dir, _ = function_run(tmp_path)
     srun = "srun: error: node1: task 0: Killed\nsrun: error: node2: task 1: Exited with exit code 1\n"
-    for attempt, first, step, again in ((0, 0, 40, False), (1, 35, 60, False), (2, 55, 58, True)):
+    for attempt, first, step, again in ((0, 0, 40, False), (1, 35, 60, False), (2, 55, 58, False), (3, 55, 58, True)):
         failure_step_env(monkeypatch, tmp_path, attempt)
         write_exit_record(run_dir, JOB, attempt, 1, PEER_LEFT, step, {"first_step": first, "last_step": step})
         reason = record_failed_step(run_dir, 137, srun)
@@ -165,3 +167,17 @@ def test_the_failed_row_says_how_long_detection_took(tmp_path: Path, monkeypatch
     recorded = second["end_time"].timestamp()
     assert second["detect_s"] == pytest.approx(recorded - (now - 30))
     assert run_dir.state()["failure"]["detected"] == pytest.approx(recorded)
+
+
+def test_a_shorter_attempt_from_an_older_save_is_not_the_same_failure() -> None:
+    """The review's case: an attempt killed at step 1000, the requeue resumed from disk at 400 and
+    killed at 900 by the same words: it progressed 500 steps, so it is not a crash loop. Dying at
+    the very step the last one did, or making no step at all, is."""
+    previous = {"error": "Killed (SIGKILL)", "resumed": 0, "reached": 1000}
+    assert not failure.same_again(previous, {"error": "Killed (SIGKILL)", "resumed": 400, "reached": 900})
+    assert failure.same_again(previous, {"error": "Killed (SIGKILL)", "resumed": 400, "reached": 1000})
+    assert failure.same_again(previous, {"error": "Killed (SIGKILL)", "resumed": 400, "reached": 400})
+    assert failure.same_again(previous, {"error": "Killed (SIGKILL)", "resumed": 400, "reached": None})
+    assert not failure.same_again(previous, {"error": "RuntimeError: boom", "resumed": 400, "reached": 1000})
+    assert not failure.same_again({"error": "Killed (SIGKILL)"}, {"error": "Killed (SIGKILL)", "resumed": 4,
+                                                                 "reached": 9})

@@ -169,19 +169,20 @@ def signature(error: str, resumed: int | None, furthest: int | None) -> dict[str
 
 
 def same_again(previous: tp.Any, now: dict[str, tp.Any]) -> bool:
-    """The previous attempt's failure again: the same error (any rank, any node) and no progress
-    past the step the previous attempt reached. Restarts resume from in-memory snapshots, far more
-    often than disk checkpoints are written, so how far each attempt got is what tells progress,
-    not the newest checkpoint. An attempt that left no sign of a completed step made none; against
-    a previous attempt that left none (or a record written before this rule), progress is a step
-    past where this attempt resumed."""
+    """The previous attempt's failure again: the same error (the same words: a rank or node it
+    names included) and either no progress in this attempt (no step completed past where it
+    resumed) or an end at the very step the previous attempt reached (a crash the data or the code
+    brings back at that step). Restarts resume from in-memory snapshots, far more often than disk
+    checkpoints are written, so how far each attempt got is what tells progress, not the newest
+    checkpoint; and an attempt resumed from an older save (a requeue resumes from disk) that dies
+    short of where the last one did has still progressed."""
     if not isinstance(previous, dict) or previous.get("error") != now["error"]:
         return False
     if now["reached"] is None:
         return True
-    if isinstance(previous.get("reached"), int):
-        return bool(now["reached"] <= previous["reached"])
-    return now["resumed"] is not None and now["reached"] <= now["resumed"]
+    if now["resumed"] is not None and now["reached"] <= now["resumed"]:
+        return True
+    return isinstance(previous.get("reached"), int) and now["reached"] == previous["reached"]
 
 
 def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int, error: str) -> None:
