@@ -163,8 +163,9 @@ def simulate(
             decisions.append(decided)
         assert all(d == decisions[0] for d in decisions), f"ranks disagree at step {done}: {decisions}"
         # the vote: MAX over ranks, as the all-reduce gives it
-        cast = [[b for k in rank.kinds for b in k.ballot()] for rank in group]
-        vote.cast(done, total, Recorder(), [max(col) for col in zip(*cast)])
+        vote.cast(done, total, Recorder(), lambda: [
+            max(col) for col in zip(*([b for k in rank.kinds for b in k.ballot()] for rank in group))
+        ])
     return Trace(saves, group)
 
 

@@ -114,11 +114,11 @@ class Context:
         total = self.recipe.training.steps
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env
+        disk, memory = self.make_cadences()  # before the watchdog: what raises here leaves no ring behind
         watchdog = Watchdog(
             self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s,
             self.pulse_ring(),
         )
-        disk, memory = self.make_cadences()
         warmup = self.recipe.training.warmup_steps
         try:
             self.measured.mark(warmup)  # the wall clock the results row's wall_tokens_per_s is measured on
@@ -167,7 +167,7 @@ class Context:
                     with watchdog.saving():
                         memory.started(self.snapshot(done))
                 began = time.perf_counter()
-                self.vote.cast(done, total, recorder, [b for kind in self.cadences for b in kind.ballot()])
+                self.vote.cast(done, total, recorder, lambda: [b for kind in self.cadences for b in kind.ballot()])
                 self.own_s["stop vote"] += time.perf_counter() - began
                 self.measured.mark(warmup)
                 if stop and done < total:

@@ -69,8 +69,11 @@ class StopVote:
         self._casting = not agreed.signum and done < total
         return agreed
 
-    def cast(self, done: int, total: int, recorder: Recorder, ballots: tp.Sequence[int] = ()) -> None:
-        """After the saves of step `done`: the next vote, where `read` just read one."""
+    def cast(
+        self, done: int, total: int, recorder: Recorder, ballots: tp.Callable[[], tp.Sequence[int]] = lambda: ()
+    ) -> None:
+        """After the saves of step `done`: the next vote, where `read` just read one (`ballots` are
+        asked for only then)."""
         if not self._casting:
             return
         self._casting = False
@@ -80,7 +83,7 @@ class StopVote:
                 int(recorder.due(ahead=self.every)),
                 int(recorder.probe_due()),
                 round(self.slowest_s * 1e6),
-                *ballots,
+                *ballots(),
             ]
         )
         self.slowest_s = 0.0
