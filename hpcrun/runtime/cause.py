@@ -43,14 +43,6 @@ class Failure:
         at = f" at step {self.step}" if self.step is not None else ""
         return f"{who}{where}: {self.what}{at}"
 
-    def signature(self, checkpoint: int | None) -> dict[str, tp.Any]:
-        """Same step and same error: the same failure again (any rank, any node). Without a
-        step (no rank lived to say it: SIGKILL, a cancelled step), the same error with no new
-        checkpoint since (`checkpoint`: the newest one now) is the same failure again."""
-        if self.step is None:
-            return {"checkpoint": checkpoint, "error": self.what}
-        return {"step": self.step, "error": self.what}
-
 
 def step_message(srun_stderr: str) -> str | None:
     """What srun or slurmstepd said of a step no task message explains: "CANCELLED DUE TO TIME
