@@ -16,7 +16,7 @@ from tests.helpers import ROOT, cli, load_yaml, write_yaml
 
 CLIENT = """
 from hpcrun import slurm
-for cmd in (["sacct", "--version", "two words"], ["srun", "--version"]):
+for cmd in (["sacct", "--version", "two words"], ["sbatch", "--version"]):
     out = slurm.run(cmd, timeout=20)
     print(cmd[0], out.returncode, repr(out.stdout.strip()))
 """
@@ -57,9 +57,9 @@ def test_a_tool_missing_in_the_container_is_run_by_the_batch_script(tmp_path: Pa
         here = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=60)
         assert here.returncode == 0, here.stderr
         found = {line.split()[0]: line for line in here.stdout.splitlines()}
-        # run by the loop with the host's PATH, every word as sent; srun is not a tool the client sends it
+        # run by the loop with the host's PATH, every word as sent; sbatch is not a tool the client sends it
         assert found["sacct"] == "sacct 0 'host sacct: [--version] [two words]'", here.stdout
-        assert found["srun"] == "srun 127 ''", here.stdout
+        assert found["sbatch"] == "sbatch 127 ''", here.stdout
         without = subprocess.run(
             [sys.executable, "-c", CLIENT], env={**env, "HPCRUN_SLURM_PROXY": ""}, capture_output=True, text=True,
             timeout=60,

@@ -128,11 +128,8 @@ def at_time_limit(ctx: Context) -> bool | None:
     """Whether this attempt's stop signal came at the job's time limit, judged as submitit's
     has_timed_out does (hpcrun.runtime.timeouts); None: no record of when this start of the job
     began (the batch script's), so no telling it from a preemption."""
-    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
-    started = timeouts.allocation_start(ctx.run_dir, ctx.env.allocation_id, ctx.env.attempt, in_job)
-    if started is None:
-        return None
-    return timeouts.timed_out(started, ctx.flag.at or time.time(), ctx.spec.time_min, ctx.spec.signal_lead_s)
+    return timeouts.at_limit(ctx.run_dir, ctx.env.allocation_id, ctx.env.attempt, ctx.flag.at or time.time(),
+                             ctx.spec.time_min, ctx.spec.signal_lead_s)
 
 
 def requeue_now(env: DistEnv, run_dir: RunDir | None = None) -> None:

@@ -14,7 +14,7 @@ Checkpointable protocol: the callable's `__submitit_checkpoint__` or `checkpoint
 returns the DelayedSubmission to run next, which replaces the run's pickle; the attempt then
 ends as a stopped one and hpcrun requeues it (hpcrun.runtime.attempt). A callable without
 `checkpoint` is decided as submitit's SignalHandler decides it: stopped at its time limit (judged
-as has_timed_out does: hpcrun.runtime.attempt.at_time_limit), it is not requeued, and its result
+as has_timed_out does: hpcrun.runtime.timeouts.at_limit), it is not requeued, and its result
 is submitit's error, "Job not requeued because: timed-out and not checkpointable."; preempted
 (any stop before the time limit, or one whose job start has no record to judge it by), it is
 requeued and called again from the start, as submitit requeues a preempted job whatever its
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 import typing as tp
 from pathlib import Path
@@ -42,6 +43,7 @@ from submitit.core.utils import DelayedSubmission, JobPaths, UncompletedJobError
 from hpcrun import executor
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import atomic_path
+from hpcrun.runtime import timeouts
 from hpcrun.runtime.context import Context
 
 # submitit's reason for not requeueing a call without a checkpoint method at its time limit
@@ -113,9 +115,8 @@ def checkpoint_method(delayed: DelayedSubmission) -> tp.Callable[..., tp.Any] | 
 
 
 def _at_time_limit(ctx: Context) -> bool:
-    from hpcrun.runtime.attempt import at_time_limit  # here: hpcrun.runtime.attempt imports this module
-
-    return bool(at_time_limit(ctx))
+    return bool(timeouts.at_limit(ctx.run_dir, ctx.env.allocation_id, ctx.env.attempt, ctx.flag.at or time.time(),
+                                  ctx.spec.time_min, ctx.spec.signal_lead_s))
 
 
 def not_checkpointable(ctx: Context, result: Path) -> tp.NoReturn:

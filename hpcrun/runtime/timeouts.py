@@ -7,6 +7,7 @@ Imports no torch: the stop decision (hpcrun.runtime.attempt) asks here."""
 
 from __future__ import annotations
 
+import os
 import typing as tp
 
 from hpcrun import jobstate
@@ -41,6 +42,16 @@ def timed_out(started: float, signalled: float, time_min: int, lead_s: int) -> b
     within the signal lead (and SLACK_S) of `time_min`. Any other stop (a preemption, an
     `scancel --signal`) came earlier."""
     return signalled - started >= time_min * 60 - lead_s - SLACK_S
+
+
+def at_limit(run_dir: RunDir, allocation_id: str, attempt: int, signalled: float, time_min: int,
+             lead_s: int) -> bool | None:
+    """Whether a stop signalled at `signalled` came at this start's time limit (`timed_out`); None:
+    no record of when this start of the job began (the batch script's), so no telling it from a
+    preemption."""
+    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
+    started = allocation_start(run_dir, allocation_id, attempt, in_job)
+    return None if started is None else timed_out(started, signalled, time_min, lead_s)
 
 
 def counted(state: dict[str, tp.Any], job_id: str) -> int:

@@ -98,6 +98,7 @@ class Watchdog:
         """Step `step` completed in `seconds`: progress. Two stores on the training thread; the
         heartbeat file is written by the watchdog's own thread."""
         self.last = self.stepped = time.monotonic()
+        self.cpu_at = (self.stepped, time.thread_time())  # the training thread's clock, where `working` starts
         self.last_wall = time.time()
         self.step = step
         if self.fixed is None:
