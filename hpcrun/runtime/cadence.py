@@ -87,7 +87,6 @@ class Cadence:
         self.first_allocates = first_allocates
         self.skipped = 0
         self.saves: list[float] = []  # this attempt's clock at each save of this kind
-        self.explanation = policy.explain(0.0, measured=False) if policy.steps is not None else ""
         self.agreed_cost_s: float | None = None  # the slowest rank's cost, as the last vote agreed
         self._last = clock() - since_s  # the clock at the last save of this kind
         self._retry_at = -math.inf
@@ -136,7 +135,6 @@ class Cadence:
             return False
         due, any_busy, cost_us = agreed
         self.agreed_cost_s = cost_us / 1e6
-        self.explanation = self.policy.explain(self.agreed_cost_s, self.cost_s()[1])
         if not due:
             return False
         if any_busy and not self.skips:
@@ -159,6 +157,15 @@ class Cadence:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
             return bool(tensor.item())
         return busy
+
+    @property
+    def explanation(self) -> str:
+        """The interval chosen and why, from the cost the last vote agreed ("" before the first)."""
+        if self.policy.steps is not None:
+            return self.policy.explain(0.0, measured=False)
+        if self.agreed_cost_s is None:
+            return ""
+        return self.policy.explain(self.agreed_cost_s, self.cost_s()[1])
 
     def summary(self) -> str:
         """What this attempt did, after what it planned (the log, progress.json)."""

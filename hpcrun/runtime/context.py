@@ -138,7 +138,7 @@ class Context:
                 self.checkpoints.poll()
                 parts.append(time.perf_counter())
                 saving = done == total or bool(stop)
-                ballots = list(agreed.ballots) if agreed.ballots else None
+                ballots = agreed.ballots or None  # the cadences' ballots, in their order: disk, then memory
                 periodic = not saving and disk.wants(done, ballots and ballots[:BALLOT])
                 saving = saving or periodic
                 loss = self.measured.losses[-1] if len(self.measured.losses) > recorded else None

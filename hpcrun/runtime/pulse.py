@@ -58,7 +58,6 @@ class Pulse:
         self.previous = (rank - 1) % world_size
         self.heard = time.monotonic()  # the ring starts together: the collective above
         self.gone = False  # the rank before said bye
-        self.sent = 0
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -97,7 +96,6 @@ class Pulse:
         """Pulse to the next rank, and hear what the rank before sent."""
         try:
             self.sock.sendto(b"%d" % self.rank, self.next)
-            self.sent += 1
         except OSError:  # the next rank's node gone (unreachable): its own successor will see it
             pass
         while True:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import os
 import sys
 import typing as tp
 
-from hpcrun import __version__
+from hpcrun import __version__, goodput
 from hpcrun.plan import RunSpec
-from hpcrun.rundir import RunDir
+from hpcrun.rundir import CorruptStateError, RunDir
+from hpcrun.runtime import timeouts
 
 if tp.TYPE_CHECKING:
     from hpcrun.runtime.env import DistEnv
@@ -111,10 +111,6 @@ def recovery(ctx: Attempt, last_step: int, step_time_s: float | None) -> dict[st
     """This attempt's restart and recomputation after a failed previous attempt of its job
     (hpcrun.goodput.restart_columns), from that attempt's record in state.json. Read only on SLURM
     by the ranks that build a row (rank 0, failing ranks): locally no attempt is recorded failed."""
-    from hpcrun import goodput
-    from hpcrun.rundir import CorruptStateError
-    from hpcrun.runtime import timeouts
-
     env, began = ctx.env, ctx.measured.started
     if ctx.spec.scheduler != "slurm" or env.attempt == 0 or began is None:  # no previous attempt, or no loop ran
         return goodput.restart_columns(None, None, None, ctx.start_step, last_step, step_time_s)
@@ -124,8 +120,7 @@ def recovery(ctx: Attempt, last_step: int, step_time_s: float | None) -> dict[st
     except CorruptStateError:  # the row is written all the same, without the accounting
         state = {}
     ours = (state.get("job_id"), state.get("restart_count")) == (env.job_id, env.attempt - 1)
-    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
-    allocation = timeouts.allocation_start(run_dir, env.allocation_id, env.attempt, in_job)
+    allocation = timeouts.this_start(run_dir, env.allocation_id, env.attempt)
     return goodput.restart_columns(
         state.get("failure") if ours else None, ctx.measured.unix_time(began), allocation, ctx.start_step,
         last_step, step_time_s,

@@ -44,13 +44,18 @@ def timed_out(started: float, signalled: float, time_min: int, lead_s: int) -> b
     return signalled - started >= time_min * 60 - lead_s - SLACK_S
 
 
+def this_start(run_dir: RunDir, allocation_id: str, attempt: int) -> float | None:
+    """When the job start of this attempt (`attempt`, after the restarts inside it the batch script
+    says) began: `allocation_start`."""
+    return allocation_start(run_dir, allocation_id, attempt, int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0))
+
+
 def at_limit(run_dir: RunDir, allocation_id: str, attempt: int, signalled: float, time_min: int,
              lead_s: int) -> bool | None:
     """Whether a stop signalled at `signalled` came at this start's time limit (`timed_out`); None:
     no record of when this start of the job began (the batch script's), so no telling it from a
     preemption."""
-    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
-    started = allocation_start(run_dir, allocation_id, attempt, in_job)
+    started = this_start(run_dir, allocation_id, attempt)
     return None if started is None else timed_out(started, signalled, time_min, lead_s)
 
 
