@@ -119,6 +119,9 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         comment=slurm.comment(tag),
         starts_dir=rundir.STARTS,
         step_grace_s=STEP_GRACE_S,
+        # the ranks that outlive a failed one keep their state before they exit (hpcrun.runtime.snapshotsurvivor):
+        # srun must not kill them at once; the watcher ends the step step_grace_s after a task failed
+        survivors_keep=spec.takes_snapshots and spec.strategy.memory_option().one_snapshot_per_node,
         srun_ended=slurm.SRUN_ENDED,
         probe_s=slurm.PROBE_S,
         proxied=slurm.PROXIED,

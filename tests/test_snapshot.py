@@ -627,3 +627,40 @@ def test_a_copy_arriving_after_close_creates_no_directory(tmp_path: Path) -> Non
     assert "left=[]" in out1, out1
     assert not rundir.snapshot_job_dir(tmp_path / "node1", "7", 0).exists()
     assert "snapshot of step 1 failed on rank 1 (rank 1: abandoned" in out0, out0  # rank 1 holds no copy
+
+
+def test_a_killed_rank_resumes_from_the_survivors_last_step(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Rank 3 alone SIGKILLed mid-run (DDP, no periodic snapshot, disk every 5 steps): the three
+    others see their collective fail, keep the state of their last completed step (one survivor per
+    pretend node writes every rank's directory of it) and exit; the restart resumes from that step,
+    past the disk checkpoint, and ends with the weights of a run never interrupted. The losses of
+    the steps before the restart are the mean of the ranks that outlived the failure (rank 3's died
+    with it); every later one is exact."""
+    run_dir = prepared(tmp_path, "survivors", STEP_DELAY_S, 1000, 5, "ddp")
+    nodes = [tmp_path / "nodeA", tmp_path / "nodeB"]
+    job_id = str(random.randint(1000, 11000))
+    procs = launch(run_dir, nodes, job_id)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
+             what="the disk checkpoint of step 5", timeout=120)
+    time.sleep(3 * STEP_DELAY_S)  # a few steps past it
+    procs[3].send_signal(signal.SIGKILL)
+    codes = [proc.wait(timeout=60) for proc in procs]  # the survivors end by themselves
+    assert codes[3] == -signal.SIGKILL and all(code != 0 for code in codes[:3]), codes
+    kept = {node.name: held(node, job_id, run_dir.name) for node in nodes}
+    steps = {s for found in kept.values() for held_steps in found.values() for s in held_steps}
+    assert len(steps) == 1 and all(set(found) == set(range(WORLD)) for found in kept.values()), kept
+    (survived,) = steps
+    disk = max(rundir.step_dirs(checkpoints))
+    assert survived > disk, f"the survivors' step {survived} is not past the disk checkpoint {disk}"
+    logs = "".join((run_dir / f"rank{r}.log").read_text() for r in range(WORLD))
+    assert logs.count(f"survivor's save: kept step {survived} for rank(s) 0, 1, 2, 3") == 2, logs[-3000:]
+    finished(launch(run_dir, nodes, job_id, attempt=1), run_dir)
+    whole = baseline(tmp_path_factory, "ddp")
+    assert state(run_dir)["status"] == "completed" and weights(run_dir) == weights(whole)
+    got, want = losses(run_dir), losses(whole)
+    assert len(got) == len(want) and got[survived:] == want[survived:], (got, want)
+    row = rows(tmp_path, run_dir).sort_values("restart_count").iloc[-1]
+    assert row["resumed_from"] == "survivor" and row["first_step"] == survived, row

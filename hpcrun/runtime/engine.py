@@ -6,6 +6,7 @@ for export."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import typing as tp
 from concurrent.futures import Future
 from pathlib import Path
@@ -60,6 +61,10 @@ class TorchEngine:
         self._snapshot_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
         self._snapshot_copied: torch.cuda.Event | None = None
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
+        # held through each optimizer step, which `updates` counts: a survivor's save (hpcrun.runtime.snapshotsurvivor)
+        # from another thread takes it, and so never reads a half-updated state
+        self.update_lock = threading.Lock()
+        self.updates = 0
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         if self._snapshot_copied is not None and self._buffers_change:  # forward writes buffers the copy reads
@@ -104,6 +109,11 @@ class TorchEngine:
         self.model.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
+        with self.update_lock:
+            self._optimizer_step()
+            self.updates += 1
+
+    def _optimizer_step(self) -> None:
         if self._snapshot_copied is not None:  # a snapshot's copy to host still reads the state
             torch.cuda.current_stream(self.env.device).wait_event(self._snapshot_copied)
         clip = self.recipe.training.grad_clip
@@ -206,6 +216,11 @@ class TorchEngine:
             self._snapshot_copied = torch.cuda.Event()
             self._snapshot_copied.record(self._snapshot_stream)
         return tp.cast(dict[str, tp.Any], buffers.tensors)
+
+    def survivor_state(self) -> dict[str, tp.Any]:
+        """The live state, for `write_snapshot` with no copy and no collective: a survivor's save
+        (hpcrun.runtime.snapshotsurvivor) while holding `update_lock`."""
+        return self._state()
 
     def write_snapshot(self, state: dict[str, tp.Any], directory: Path) -> None:
         """Write a `snapshot_state` into `directory` on node-local scratch: the same DCP save as a

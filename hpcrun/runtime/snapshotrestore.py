@@ -20,12 +20,14 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.snapshotdirs import RankDirs
 from hpcrun.runtime.snapshotexchange import Peers, nodes_ranks
 from hpcrun.runtime.snapshotfiles import manifest_of, verify
+from hpcrun.runtime.snapshotsurvivor import SURVIVOR
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """Where an attempt resumed from: `memory` (every rank's own node held its files) or
-    `replica` (some rank's files came from another node), the step, and this rank's trainer state."""
+    """Where an attempt resumed from: `memory` (every rank's own node held its files), `replica`
+    (some rank's files came from another node) or `survivor` (the ranks that outlived the failure
+    kept their last step: hpcrun.runtime.snapshotsurvivor), the step, and this rank's trainer state."""
 
     source: str
     step: int
@@ -76,6 +78,8 @@ def restore(
             info(f"snapshot of step {step} not usable: {why}; resuming from disk")
             return None
         path = rundir.step_dir(dirs.rank_dir(env.rank), step)
+        if SURVIVOR in (manifest_of(path) or {}):  # the ranks that outlived the failure kept this step
+            source = SURVIVOR
         engine.load(rundir.engine_state(shared), local=True)
         state = torch.load(rundir.trainer_state(path, env.rank), weights_only=True)
         ckpt.set_rng_state(state["rng"])

@@ -99,7 +99,7 @@ while :; do
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
   ( trap '' USR2 TERM
     set +e
-    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=2 \
+    srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes=1 --ntasks=2 \
     --ntasks-per-node=2 --nodelist="$nodes" \
     --output=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/scratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
     python -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee -a "$srun_stderr" >&2

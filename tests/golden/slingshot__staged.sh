@@ -134,7 +134,7 @@ while :; do
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
   ( trap '' USR2 TERM
     set +e
-    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=2 \
+    srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes=1 --ntasks=2 \
     --ntasks-per-node=2 --nodelist="$nodes" \
     --output=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
