@@ -47,6 +47,10 @@ class Context:
         self.recipe = spec.recipe
         self.args: dict[str, tp.Any] = spec.recipe.job.args if isinstance(spec.recipe.job, EntrypointJob) else {}
         self.rank, self.local_rank, self.world_size, self.device = env.rank, env.local_rank, env.world_size, env.device
+        # the planned world's ranks are the global batch's slices; after a lost node (a shrink) each rank
+        # left takes several, by gradient accumulation (README, "Training on through a lost node")
+        self.data_world = spec.world_size
+        self.data_ranks = list(range(env.rank, self.data_world, env.world_size))
         checkpoint = spec.recipe.checkpoint
         self.checkpoints = ckpt.Checkpoints(
             self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous,
@@ -89,6 +93,10 @@ class Context:
         self.engine = self.recipe.strategy.build(
             model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
         )
+        if self.shrunk:  # each micro-batch's loss divided by all the micro-batches of the global batch, over ranks
+            self.engine.accum = self.data_world * self.recipe.training.grad_accum / self.world_size
+            self.info(f"training on {self.world_size} of {self.data_world} ranks: the same global batch, each rank "
+                      f"taking {len(self.data_ranks)} or so slices of it (this one: {self.data_ranks})")
         if self.spec.takes_snapshots:
             self.snapshots = self.snapshots_of(self.engine)
         restored = self.snapshots.restore(self.engine, found[0] if found else 0) if self.snapshots else None
@@ -310,6 +318,19 @@ class Context:
             dist.all_reduce(t)
             local = (t / self.world_size).tolist()
         return self.restored_losses + list(local)
+
+    @property
+    def shrunk(self) -> bool:
+        """Whether this attempt trains on fewer ranks than planned (a lost node and no spare)."""
+        return self.world_size < self.data_world
+
+    def batch_loss(self, losses: list[float]) -> float:
+        """This rank's part of the step's loss from the losses of its micro-batches (`record_loss`'s
+        value): their mean, or after a shrink their share of the global batch's mean, so that the mean
+        over ranks (`global_losses`) is still the mean over every micro-batch of the step."""
+        if not self.shrunk:
+            return sum(losses) / len(losses)
+        return sum(losses) * self.world_size / (self.data_world * self.recipe.training.grad_accum)
 
     def mean_over_ranks(self, values: list[float | None]) -> list[float]:
         """Each position's mean over the ranks that know it (a survivor's save knows only the

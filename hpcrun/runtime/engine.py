@@ -49,7 +49,7 @@ class TorchEngine:
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
-        self.accum = recipe.training.grad_accum
+        self.accum: float = recipe.training.grad_accum  # micro-batches per rank per step (more after a shrink)
         self._stager: AsyncStager | None = None
         self._snapshot_stager: AsyncStager | None = None
         self.snapshot_buffers = SnapshotBuffers()  # what snapshots copy into, and where they are in their life

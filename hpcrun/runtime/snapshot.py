@@ -69,7 +69,7 @@ class Snapshots:
         self._worker: threading.Thread | None = None
         if env.local_rank == 0:  # before any rank of this attempt writes: the first `restore` waits for it
             sweep(scratch, env.allocation_id, env.slurm_requeues, others=on_slurm)
-            sweep_run(scratch, self.job_dir, run_id, host)
+            sweep_run(scratch, self.job_dir, run_id, host, env.world_size)
 
     @property
     def job_dir(self) -> Path:

@@ -105,6 +105,9 @@ while :; do
   [ ! -f "$starts" ] || HPCRUN_ATTEMPT=$(wc -l <"$starts")
   echo "$SLURM_RESTART_COUNT $restarts_in_job $(date +%s) $nodes" >>"$starts"
   export HPCRUN_ATTEMPT HPCRUN_RESTARTS_IN_JOB=$restarts_in_job
+  # the job's first nodes; fewer after a lost node with none to take its place (fault.min_nodes): the
+  # ranks left take the lost ones' share of the global batch
+  step_count=$(printf '%s\n' ${nodes//,/ } | wc -l)
   # Rendezvous on the step's first node, spelled as its high-speed hostname; a port of this attempt's
   # (the last one's may linger in TIME_WAIT)
   export MASTER_ADDR="${nodes%%,*}"
@@ -119,7 +122,7 @@ while :; do
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
   ( trap '' USR2 TERM
     set +e
-    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=1 \
+    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes="$step_count" --ntasks=$((step_count * 1)) \
     --ntasks-per-node=1 --nodelist="$nodes" \
     --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
