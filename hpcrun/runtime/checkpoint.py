@@ -78,7 +78,9 @@ def seed_step(seed: int, step: int, rank: int) -> None:
     survivor's save, hpcrun.runtime.snapshotsurvivor) draws what it would have. Blake2b: Python's
     `hash` of a str changes from process to process."""
     value = int.from_bytes(hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest(), "little")
-    torch.manual_seed(value)  # CPU and every CUDA device
+    torch.default_generator.manual_seed(value)  # torch.manual_seed asks every backend: ~0.3 ms, this ~3 us
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(value)
     random.seed(value)
 
 

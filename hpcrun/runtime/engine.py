@@ -222,7 +222,7 @@ class TorchEngine:
         (hpcrun.runtime.snapshotsurvivor) while holding `update_lock`."""
         return self._state()
 
-    def write_snapshot(self, state: dict[str, tp.Any], directory: Path) -> None:
+    def write_snapshot(self, state: dict[str, tp.Any], directory: Path, threads: int = 1) -> None:
         """Write a `snapshot_state` into `directory` on node-local scratch: the same DCP save as a
         checkpoint, with no collective (`no_dist`), so each rank's directory holds all that rank
         loads (a collective save writes DDP's replicated tensors once, on rank 0's node)."""
@@ -230,8 +230,8 @@ class TorchEngine:
 
         if self._snapshot_copied is not None:  # the side stream's copy into these buffers
             self._snapshot_copied.synchronize()
-        # tmpfs: no fsync, and one thread (a memcpy) that leaves the cores to training
-        dcp.save(state, storage_writer=checkpoint.DcpWriter(directory, sync_files=False, threads=1), no_dist=True)
+        # tmpfs: no fsync, and by default one thread (a memcpy) that leaves the cores to training
+        dcp.save(state, storage_writer=checkpoint.DcpWriter(directory, sync_files=False, threads=threads), no_dist=True)
 
     def load(self, directory: Path, local: bool = False) -> None:
         """Restore from a checkpoint (collective), or with `local` from this rank's snapshot."""
