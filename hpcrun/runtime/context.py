@@ -349,7 +349,16 @@ class Context:
         (at most `wait_s`). Never raises: the failure is recorded whatever this does."""
         engine, snapshots = self.engine, self.snapshots
         lock = getattr(engine, "update_lock", None)
-        if snapshots is None or lock is None or not lock.acquire(timeout=wait_s):
+        if snapshots is None or lock is None or not getattr(engine, "replicated", False):
+            return
+        saving = self.run_dir.survivor_saving(self.env.job_id, self.env.attempt, self.rank)
+        try:  # the batch script waits longer for a step one of whose ranks says so
+            saving.parent.mkdir(parents=True, exist_ok=True)
+            saving.touch()
+        except OSError:
+            pass
+        if not lock.acquire(timeout=wait_s):
+            saving.unlink(missing_ok=True)
             return
         try:
             step = self.start_step + engine.updates
@@ -361,6 +370,7 @@ class Context:
             said = f"not kept: {type(exc).__name__}: {exc}"
         finally:
             lock.release()
+            saving.unlink(missing_ok=True)
         print(f"[hpcrun rank {self.rank}] survivor's save: {said}", file=sys.stderr, flush=True)
 
     def save(self, step: int, block: bool) -> float:

@@ -135,8 +135,10 @@ while :; do
   # after it --overlap. This shell waits for the step itself, so a restart starts as it ends.
   ( trap '' USR2 TERM
     set +e  # a failed log write must not end the watch
+    attempt=$HPCRUN_ATTEMPT
     unset HPCRUN_ATTEMPT  # its children are no attempt's processes a restart waits for
     failed_at=
+    saving() { false; }
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
@@ -151,7 +153,7 @@ while :; do
             --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
           timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
           echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
-      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 5 ]; then
+      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 5 ] && ! saving; then
         : >"$srun_stderr.ending"
         echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$srun_stderr" >&2
         pkill -KILL -P "$step" -x srun || true
