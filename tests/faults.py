@@ -62,6 +62,19 @@ def job_pids(allocation_id: str, nodes: tp.Sequence[str] = ()) -> list[int]:
             if environ(pid).get("SLURM_JOB_ID") == allocation_id]
 
 
+def commands(pids: tp.Iterable[int]) -> str:
+    """Each of `pids` with its parent, the job start it belongs to (SLURM_RESTART_COUNT) and its
+    command line, for a failure's message."""
+    def line(pid: int) -> str:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            return f"{pid}: (gone)"
+        return f"{pid} (parent {ppid}, start {environ(pid).get('SLURM_RESTART_COUNT', '0')}): {cmd}"
+    return "; ".join(line(pid) for pid in pids)
+
+
 def environ(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()

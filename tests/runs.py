@@ -115,8 +115,10 @@ def rows(tmp: Path, run_dir: Path) -> tp.Any:
     return load(tmp / "results", run_id=run_dir.name)
 
 
-def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) -> None:
-    """Poll `predicate` until it holds; a timeout names what was awaited."""
+def wait_for(
+    predicate: tp.Callable[[], bool], what: str, timeout: float = 240, detail: tp.Callable[[], str] | None = None
+) -> None:
+    """Poll `predicate` until it holds; a timeout names what was awaited (and `detail()`: what was seen)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
@@ -124,7 +126,7 @@ def wait_for(predicate: tp.Callable[[], bool], what: str, timeout: float = 240) 
         # a quarter second: predicates run pgrep or read Parquet, and twenty looks a second were CPU
         # taken from the jobs under test on CI's two cores; no test needs a faster reaction
         time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f": {detail()}" if detail else ""))
 
 
 def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Path:

@@ -182,6 +182,9 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 5)" in failed["reason"], failed["reason"]
     first_step, stepped = attempt_starts(tmp_path, run_dir)[1]
     restarted = table[table.restart_count == 1].iloc[0]
+    # tier 0: the ranks that outlived rank 3 kept their last completed step; at most the step rank 3
+    # died in is trained again (hpcrun.runtime.snapshotsurvivor)
+    assert restarted["resumed_from"] == "survivor" and restarted["recomputed_steps"] <= 1, restarted
     assert stepped >= released and restarted["restart_wait_s"] >= 2, (stepped - released, restarted["restart_wait_s"])
     recorded = failed["end_time"].timestamp()  # the failure step's row
     gaps = restart_steps(job)
@@ -243,9 +246,12 @@ def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -
     )
     assert fire <= 5 + 0.5 + 3, f"rank 0 saw the stop {fire:.1f} s after it"
     assert max(to_failure, to_restart) <= SHELL_GAP_S, (to_failure, to_restart)
-    failed = [r for r in rows(tmp_path, run_dir).to_dict("records") if r["status"] == "failed"]
+    table = rows(tmp_path, run_dir).sort_values("restart_count").to_dict("records")
+    failed = [r for r in table if r["status"] == "failed"]
     assert len(failed) == 1 and silent in failed[0]["reason"], failed
     assert "restarting in the job" in failed[0]["reason"], failed
+    # rank 0's watchdog kept its last step before it ended the attempt, the others theirs as it went
+    assert table[1]["resumed_from"] == "survivor" and table[1]["recomputed_steps"] <= 1, table[1]
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 
@@ -273,12 +279,18 @@ def test_restarts_in_job_exhausted_fall_back_to_a_requeue(tmp_path: Path, baseli
     while time.time() < deadline and "REQUEUED" not in records(job):
         time.sleep(0.5)
     assert "REQUEUED" in records(job), records(job)
-    # the failed start's batch shell gone, its EXIT trap run (SLURM holds a requeued job for
-    # AuthInfo's cred_expire, 20 s here, and while its shell runs)
-    wait_for(lambda: not faults.job_pids(job), "the failed start's processes to end", 60)
-    left = {node: faults.snapshot_dirs(node, job, LOCAL_SCRATCH, start=0) for node in faults.NODES}
-    starts = (run_dir / rundir.STARTS / job).read_text().splitlines()
-    # the next start's ranks would remove them too (hpcrun.runtime.snapshotsweep): they have not run
+    # held in the queue while its nodes are looked at: the next start's ranks would remove the
+    # snapshots too (hpcrun.runtime.snapshotsweep), and SLURM may start it again as soon as KillWait
+    # has ended the failed start's last process (20 s, as long as AuthInfo's cred_expire hold here)
+    subprocess.run(["scontrol", "hold", job], check=True, capture_output=True)
+    try:
+        # the failed start's batch shell gone, its EXIT trap run
+        wait_for(lambda: not faults.job_pids(job), "the failed start's processes to end", 60,
+                 lambda: faults.commands(faults.job_pids(job)))
+        left = {node: faults.snapshot_dirs(node, job, LOCAL_SCRATCH, start=0) for node in faults.NODES}
+        starts = (run_dir / rundir.STARTS / job).read_text().splitlines()
+    finally:
+        subprocess.run(["scontrol", "release", job], check=True, capture_output=True)
     assert len(starts) == 2, f"the job started again before its nodes were looked at: {starts}"
     assert not any(left.values()), f"snapshots left after the requeue: {left} (held before the fault: {held})"
     final = wait_done(run_dir, timeout=400)
@@ -292,8 +304,8 @@ def test_restarts_in_job_exhausted_fall_back_to_a_requeue(tmp_path: Path, baseli
 def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> None:
     """`resources.spare_nodes: 1`: every process of the second training node killed (slurmd
     too), its node-local snapshots with it: the job goes on on the spare without a requeue, from
-    the replica of the lost node's snapshot the first node holds (newer than the disk
-    checkpoint), the lost node is recorded, and the weights are those of an uninterrupted run.
+    the state the first node's ranks kept when they saw the loss (newer than the disk checkpoint
+    and the replicas), the lost node is recorded, and the weights are those of an uninterrupted run.
     The ranks and the failure step run in a container without SLURM's clients: the batch shell
     probes the nodes and names the job's nodes for them."""
     spare = pool.spare_node()
@@ -342,12 +354,12 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     recorded = failed["end_time"].timestamp() - off
     print(f"\n[lost node] power off -> a peer saw it: {seen - off:.1f} s; -> recorded: {recorded:.1f} s")
     assert seen - off <= 5 + 0.5 + 3, f"the first peer saw the lost node {seen - off:.1f} s after"
-    # ranks 2-3 start on the spare, whose files of theirs are the copies the first node held,
-    # newer than the disk checkpoint (step 10)
+    # from the state the first node's ranks kept when they saw the loss, the lost node's ranks' files
+    # sent to the spare: at most the interrupted step trained again
     restarted = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]
-    assert restarted["resumed_from"] == "replica", restarted[["restart_count", "reason", "resumed_from"]]
+    assert restarted["resumed_from"] == "survivor" and restarted["recomputed_steps"] <= 1, restarted
     log = next((run_dir / "logs").glob("*_0_log.err")).read_text()
-    resumed = re.search(r"resumed from replica snapshot \(step (\d+)\)", log)
+    resumed = re.search(r"resumed from survivor snapshot \(step (\d+)\)", log)
     assert resumed and int(resumed[1]) > 10, log[-3000:]
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
     # the job's end cleared the nodes it held then (SLURM had dropped the lost one)
