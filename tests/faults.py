@@ -185,9 +185,9 @@ def power_off(node: str) -> None:
 
 
 def node_state(node: str) -> str:
-    return subprocess.run(
-        ["sinfo", "-h", "-N", "-n", node, "-p", pool.partition("batch"), "-o", "%t"], capture_output=True, text=True
-    ).stdout.strip()
+    """sinfo's short state of `node` (one line per partition it is in, the pool's spare in `spare` only)."""
+    states = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True)
+    return states.stdout.split()[0] if states.stdout.split() else ""
 
 
 def node_flags(node: str) -> set[str]:

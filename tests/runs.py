@@ -153,17 +153,20 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
         "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"},
     }
     run_id = f"baseline-{world}-{hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
+    # a larger world's site apart (more CPUs): pytest processes share the 4-rank one as it is
+    where = shared if world <= 4 else shared / f"world-{world}"
+    where.mkdir(exist_ok=True)
     with FileLock(shared / f"{run_id}.lock"):
-        run_dir = shared / "runs" / run_id
+        run_dir = where / "runs" / run_id
         if not run_dir.exists():
             partition = {
                 "max_nodes": 1,
                 "gpus_per_node": 0,
-                "cpus_per_node": 4,
+                "cpus_per_node": max(4, world),
                 "memory_gb": 16,
                 "max_time": "1-00:00:00",
             }
-            local = site_copy(shared, partitions={"local": partition})
+            local = site_copy(where, partitions={"local": partition})
             hpcrun("submit", "--site", str(local), "--run-id", run_id, str(recipe(shared, run_id, **fields)))
     return run_dir
 

@@ -46,7 +46,7 @@ from hpcrun.runtime.snapshotexchange import Peers
 from hpcrun.runtime.snapshotfiles import publish
 from hpcrun.runtime.snapshotrestore import Restored, restore
 from hpcrun.runtime.snapshotsurvivor import keep
-from hpcrun.runtime.snapshotsweep import sweep, sweep_run
+from hpcrun.runtime.snapshotsweep import sweep, sweep_past, sweep_run
 
 PREPARE_WAIT_S = 10.0  # at the end, for buffers still being allocated: a stop must fit in KillWait
 
@@ -69,7 +69,7 @@ class Snapshots:
         self._worker: threading.Thread | None = None
         if env.local_rank == 0:  # before any rank of this attempt writes: the first `restore` waits for it
             sweep(scratch, env.allocation_id, env.slurm_requeues, others=on_slurm)
-            sweep_run(scratch, self.job_dir, run_id, host, env.world_size)
+            sweep_run(scratch, self.job_dir, run_id, host)
 
     @property
     def job_dir(self) -> Path:
@@ -84,7 +84,10 @@ class Snapshots:
     def restore(self, engine: tp.Any, newer_than: int) -> Restored | None:
         """Load the newest step every rank has a verified copy of, written by one attempt, if
         newer than `newer_than` (the newest disk checkpoint's step); None: resume from disk."""
-        return restore(self.peers, self.dirs, engine, newer_than, self.info)
+        restored = restore(self.peers, self.dirs, engine, newer_than, self.info)
+        if self.env.local_rank == 0:  # every rank's inventory was taken before the restore's first gather
+            sweep_past(self.job_dir, self.run_id, self.dirs.host, self.env.world_size)
+        return restored
 
     def keep_survivor(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> str:
         """After a failure, this rank's live state as step `step` for every rank on this node, where
