@@ -8,6 +8,9 @@ for about `--minutes` uninterrupted, hit by four faults spread over the run, in 
   c  today's path: `fault.restarts_in_job: 0`, no spare, no snapshots; every failure goes through a
      SLURM requeue, a lost node through SLURM's NODE_FAIL and the requeue with exclusion (on the
      `spare` partition too, so excluding the lost node leaves two nodes)
+  d  hpcrun's path without a spare (`--shrink`, an arm of its own pool): `fault.min_nodes: 1`, so the
+     lost node shrinks the job to the one node left, the same global batch by gradient accumulation
+     (its weights equal arm a's only up to floating-point order: README, "Training on through a lost node")
 
 The faults, in this order, each when the training reaches its step:
   kill  SIGKILL to rank 3
@@ -40,6 +43,7 @@ Step times come from the job itself (rank 0 appends `attempt step time` to a fil
 step), not from the per-step table, which a killed rank 0 may not have flushed.
 
     python benchmarks/goodput.py --minutes 10 [--pools 0,1,2] [--out goodput.json]
+    python benchmarks/goodput.py --minutes 10 --shrink --pools 0,1,2,3   # arm d too
     python benchmarks/goodput.py --minutes 3   # a quick check
 Needs tests/cluster/testcluster.sh up; pools 0-2 have the spare nodes arms b and c need.
 """
@@ -67,7 +71,9 @@ INTERVAL = 40
 NODE_WAIT_S = 10  # a job pending this long past its requeue hold with a node down waits for that node
 WORLD = 4
 FAULTS = ("kill", "hang", "node", "all")
-ARMS = {"a": "uninterrupted", "b": "in-job (restarts, spare)", "c": "requeue (today's path)"}
+ARMS = {"a": "uninterrupted", "b": "in-job (restarts, spare)", "c": "requeue (today's path)",
+        "d": "in-job, no spare (shrinks)"}
+FAULTED = ("b", "c", "d")
 
 
 def train(ctx: tp.Any) -> None:
@@ -127,6 +133,9 @@ def recipe(arm: str, steps: int, tmp: Path, pool: int, restarts: int | None) -> 
         checkpoint["memory_interval"] = 0  # today's path and its baseline: disk checkpoints only
     if arm == "c":
         fault["restarts_in_job"] = 0
+    if arm == "d":
+        resources["partition"] = f"batch{suffix}"
+        fault["min_nodes"] = 1
     return {
         "name": f"goodput-{arm}",
         "job": {
@@ -162,9 +171,10 @@ def queue_state(job: str) -> tuple[str, str] | None:
 
 
 def inject(fault: str, job: str, log: Path, at: int, powered_off: list[str],
-           power_ons: list[threading.Thread]) -> dict[str, tp.Any]:
-    """Wait for step `at` with every rank of the attempt alive, inject `fault`, and time what follows.
-    A node powered off is named in `powered_off` first, its power-on thread (named after it) in `power_ons`."""
+           power_ons: list[threading.Thread], world: int = WORLD) -> dict[str, tp.Any]:
+    """Wait for step `at` with every rank of the attempt alive (`world` of them: fewer once it shrank),
+    inject `fault`, and time what follows. A node powered off is named in `powered_off` first, its
+    power-on thread (named after it) in `power_ons`."""
     from tests import faults
 
     def attempt_at() -> int | None:  # the attempt (+1: 0 is an attempt) once it completed step `at`
@@ -172,9 +182,9 @@ def inject(fault: str, job: str, log: Path, at: int, powered_off: list[str],
         return seen[-1][0] + 1 if seen and seen[-1][1] >= at else None
 
     attempt = wait(attempt_at, f"step {at}", timeout=1800) - 1
-    wait(lambda: faults.ranks_alive(job, WORLD, attempt=attempt) == list(range(WORLD)),
+    wait(lambda: faults.ranks_alive(job, world, attempt=attempt) == list(range(world)),
          f"every rank of attempt {attempt}", timeout=120)
-    targets = {"kill": [3], "hang": [1], "node": [3], "all": list(range(WORLD))}[fault]
+    targets = {"kill": [world - 1], "hang": [1], "node": [world - 1], "all": list(range(world))}[fault]
     pids = [faults.rank_pid(job, rank, timeout=10, attempt=attempt) for rank in targets]
     node = pids[0][1]
     fault_at = time.time()
@@ -236,8 +246,11 @@ def drive(arm: str, pool: int, steps: int, restarts: int | None, out: Path) -> N
     powered_off: list[str] = []
     power_ons: list[threading.Thread] = []
     try:
+        world = WORLD
         for fault, at in zip(FAULTS, fault_steps(steps)) if arm != "a" else ():
-            events.append(inject(fault, job, log, at, powered_off, power_ons))
+            events.append(inject(fault, job, log, at, powered_off, power_ons, world))
+            if arm == "d" and fault == "node":
+                world //= 2  # on the one node left
             print(f"[{arm}] {fault}: {events[-1]}", file=sys.stderr, flush=True)
 
         def finished() -> dict[str, tp.Any] | None:
@@ -283,7 +296,8 @@ def run_round(args: argparse.Namespace, steps: int, tmp: Path, n: int) -> dict[s
     """Every arm once: arms on different pools at once, on the same pool one after the other."""
     pools = [int(p) for p in args.pools.split(",")]
     lanes: dict[int, list[str]] = {}
-    for i, arm in enumerate(("b", "c", "a")):  # the faulted arms first: each on a pool of its own when there are two
+    arms = ("b", "c", "a", "d") if args.shrink else ("b", "c", "a")
+    for i, arm in enumerate(arms):  # the faulted arms first: each on a pool of its own when there are two
         lanes.setdefault(pools[i % len(pools)], []).append(arm)
     failures: list[str] = []
 
@@ -305,7 +319,7 @@ def run_round(args: argparse.Namespace, steps: int, tmp: Path, n: int) -> dict[s
     if failures:
         raise SystemExit("goodput: " + "; ".join(failures))
     print("arms by pool: " + "; ".join(f"pool {p}: {' then '.join(a)}" for p, a in lanes.items()), flush=True)
-    return {arm: json.loads((tmp / f"{arm}{n}.json").read_text()) for arm in ARMS}
+    return {arm: json.loads((tmp / f"{arm}{n}.json").read_text()) for arm in arms}
 
 
 def path(reason: str | None) -> str:
@@ -328,6 +342,7 @@ def main() -> None:
     parser.add_argument("--pools", default="0,1,2", help="test-cluster pools for the arms (0-2 have spare nodes)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--restarts-in-job", type=int, default=None, help="arm b's (default: hpcrun's)")
+    parser.add_argument("--shrink", action="store_true", help="arm d too (a fourth pool: 0,1,2,3)")
     parser.add_argument("--out", type=Path, default=Path("goodput.json"))
     parser.add_argument("--arm", choices=sorted(ARMS), help=argparse.SUPPRESS)  # one arm's driver process
     parser.add_argument("--pool", type=int, default=0, help=argparse.SUPPRESS)
@@ -357,7 +372,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n, arms in enumerate(rounds):
         for k, fault in enumerate(FAULTS):
-            for arm in ("b", "c"):
+            for arm in (a for a in FAULTED if a in arms):
                 e = arms[arm]["faults"][k]
                 waited = " (waited for the node)" if e["job_waited_for_node"] else ""
                 print(f"| {n} | {fault} | {arm} | {path(e['reason'])} | {seconds(e['ended_s'])} | "
@@ -365,17 +380,17 @@ def main() -> None:
                       f"{e['recomputed']} ({e['last_step']} - {e['resumed_from']}) |")
     print("| round | arm | wall time (first -> last step) | goodput | in-job restarts | sacct | weights = arm a's |")
     print("|---|---|---|---|---|---|---|")
-    goodputs: dict[str, list[float]] = {"b": [], "c": []}
+    goodputs: dict[str, list[float]] = {arm: [] for arm in FAULTED}
     for n, arms in enumerate(rounds):
         base = arms["a"]
-        for arm in ARMS:
+        for arm in arms:
             r = arms[arm]
             ratio = base["wall_s"] / r["wall_s"] if base["wall_s"] and r["wall_s"] else None
             if ratio is not None and arm in goodputs:
                 goodputs[arm].append(ratio)
             print(f"| {n} | {arm} {ARMS[arm]} | {seconds(r['wall_s'])} | {'-' if ratio is None else f'{ratio:.3f}'} | "
                   f"{r['restarts_in_job'] or 0} | {','.join(r['sacct'])} | "
-                  f"{'yes' if r['weights'] and r['weights'] == base['weights'] else 'NO'} |")
+                  f"{'yes' if r['weights'] and r['weights'] == base['weights'] else 'n/a' if arm == 'd' else 'NO'} |")
     for arm, values in goodputs.items():
         if values:
             print(f"goodput {arm} ({ARMS[arm]}): median {statistics.median(values):.3f} over {len(values)} round(s), "
