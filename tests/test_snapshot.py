@@ -62,7 +62,7 @@ def launch(run_dir: Path, nodes: list[Path], job_id: str, attempt: int = 0) -> l
     for rank in range(WORLD):
         env = {
             **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(WORLD),
-            "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_RESTART_COUNT": "0",
+            "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_REQUEUES": "0",
             "HPCRUN_ATTEMPT": str(attempt),
             rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
         }
