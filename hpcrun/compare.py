@@ -26,7 +26,9 @@ METRICS = {
 
 
 # what makes two runs' numbers different measurements: a group averaging over any of these says so
-MEASURES = ["model", "micro_batch", "seq_len", "precision", "world_size"]
+# what the runs a group averages must share, else `mixes` names it: a shrunk attempt (a lost node, README
+# "Training on through a lost node") trains a larger world's global batch on fewer nodes
+MEASURES = ["model", "micro_batch", "seq_len", "precision", "world_size", "global_batch"]
 
 
 def compare(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

@@ -122,6 +122,22 @@ class RunSpec(Frozen):
         return Policy(kind, steps, ckpt.overhead, self.mtbf_s, max_min * 60)
 
     @property
+    def min_nodes(self) -> int:
+        """The fewest nodes the job trains on after losing some with no spare left (`fault.min_nodes`,
+        resolved: README, "Training on through a lost node"); `nodes`: it never shrinks."""
+        job, asked = self.recipe.job, self.recipe.fault.min_nodes
+        if job.kind in ("command", "function") or not self.strategy.resumes_at_another_world_size():
+            return self.nodes
+        if asked is not None:
+            return asked
+        return -(-self.nodes // 2) if job.kind == "benchmark" else self.nodes
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether a lost node with no spare left may leave the job training on fewer nodes."""
+        return self.scheduler == "slurm" and bool(self.recipe.fault.restarts_in_job) and self.min_nodes < self.nodes
+
+    @property
     def spare_nodes(self) -> int:
         return self.recipe.resources.spare_nodes
 
@@ -191,6 +207,16 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
             where,
             "resources.spare_nodes" if res.spare_nodes and res.nodes <= part.max_nodes else "resources.nodes",
         )
+    least = recipe.fault.min_nodes
+    if least is not None and least > res.nodes:
+        raise HpcrunError(f"must be <= resources.nodes ({res.nodes})", where, "fault.min_nodes")
+    if least is not None and least < res.nodes:
+        if recipe.job.kind in ("command", "function"):
+            raise HpcrunError(f"a {recipe.job.kind} job's own code holds its ranks: it cannot train on fewer nodes",
+                              where, "fault.min_nodes")
+        if not recipe.strategy.resumes_at_another_world_size():
+            raise HpcrunError(f"strategy {recipe.strategy.name} resumes only at the world size that saved it",
+                              where, "fault.min_nodes")
     if res.spare_nodes and not recipe.fault.restarts_in_job:
         raise HpcrunError("spare nodes are used only by restarts inside the job: set fault.restarts_in_job",
                           where, "resources.spare_nodes")

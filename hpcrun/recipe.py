@@ -197,6 +197,13 @@ class Fault(Frozen):
     requeue. 0: every failure requeues (through the queue). Stops for a signal always requeue. A
     restart costs seconds; a long job meets several faults, and the same-crash rule, not this cap,
     is what stops a crash loop (`checkpoint.max_requeues` still bounds the run)."""
+    min_nodes: int | None = pydantic.Field(default=None, ge=1)
+    """A job that loses a node with no spare left trains on inside its allocation on the nodes it
+    still has, down to this many, with the same global batch: the ranks left take the lost ranks'
+    share of every step by gradient accumulation (README, "Training on through a lost node"); below
+    it the job is requeued. None: half its nodes, rounded up, for the built-in benchmark; its
+    `nodes` (no shrink) for an entrypoint job, whose own data loading must take its share from
+    `ctx.data_ranks` first. Command and function jobs, and DeepSpeed, never shrink."""
     mtbf_hours: float | None = pydantic.Field(default=None, gt=0)
     """The job's expected time between failures, which spaces checkpoints and snapshots
     (hpcrun.cadence). None: the partition's `node_mtbf_hours` divided by the job's nodes."""

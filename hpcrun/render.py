@@ -17,6 +17,9 @@ from hpcrun.site import shipped_dirs
 # How long a failed training step may outlive its first failed task before the batch script ends
 # srun: srun waits for every task's end, and a lost node's tasks never report one.
 STEP_GRACE_S = 5
+# while a rank that outlived the failed one still saves its state (rundir.SAVING), up to this long: a 1.3b
+# model's DDP state (15.6 GB) took 12.6 s on an H200 (benchmarks/survivor_save.py, RESULTS.md §7)
+SAVE_GRACE_S = 60
 
 
 def quote(value: object) -> str:
@@ -119,6 +122,11 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         comment=slurm.comment(tag),
         starts_dir=rundir.STARTS,
         step_grace_s=STEP_GRACE_S,
+        # the ranks that outlive a failed one keep their state before they exit (hpcrun.runtime.snapshotsurvivor):
+        # srun must not kill them at once; the watcher ends the step step_grace_s after a task failed
+        survivors_keep=spec.takes_snapshots and spec.strategy.memory_option().one_snapshot_per_node,
+        save_grace_s=SAVE_GRACE_S,
+        saving=f"{rundir.EXITS}/$this_job-$attempt-rank*{rundir.SAVING}",
         srun_ended=slurm.SRUN_ENDED,
         probe_s=slurm.PROBE_S,
         proxied=slurm.PROXIED,

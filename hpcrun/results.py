@@ -139,7 +139,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "recomputed_steps": I,
     "recompute_s": F,
     "slow_ranks": S,
-    "resumed_from": S,  # memory / replica (in-memory snapshots), disk, or None: started from step 0
+    "resumed_from": S,  # memory / replica / survivor (in-memory snapshots), disk, or None: started from step 0
 }
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(S, F))])
 

@@ -37,6 +37,7 @@ FUNCTION = "function.pkl"  # a function job's pickled call (hpcrun.executor), re
 PROGRESS = "progress.json"
 TENSORBOARD = "tensorboard"
 EXITS = "exits"
+SAVING = ".saving"  # exits/<job>-<attempt>-rank<r>.saving: a survivor's save under way
 STARTS = "starts"  # starts/<SLURM job id>: one line per start of the training step (the batch script's count)
 LEDGER = "ledger.json"
 SWEEPS = "sweeps"
@@ -245,6 +246,11 @@ class RunDir:
         """What a failing rank knew as it failed (error, step, node, its row so far): read once,
         after the job step ended, by the one writer of the failed attempt (hpcrun.runtime.failure)."""
         return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}.json"
+
+    def survivor_saving(self, job_id: str, attempt: int, rank: int) -> Path:
+        """There while a rank that outlived a failure saves its state (hpcrun.runtime.snapshotsurvivor):
+        the batch script's watcher gives the step longer to end while one is (templates/sbatch.sh.j2)."""
+        return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}{SAVING}"
 
     def heartbeat(self, job_id: str, attempt: int, rank: int) -> Path:
         """A rank's last completed step and when (hpcrun.runtime.watchdog): how the ranks whose

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing as tp
 from pathlib import Path
 
 import pytest
@@ -145,8 +146,12 @@ def test_spares_are_allocated_and_the_job_outlives_a_lost_node(tmp_path: Path) -
     out = cli("render", "--site", "testcluster", str(recipe))
     assert out.exit_code == 0, out.output
     assert "#SBATCH --nodes=3\n" in out.stdout and "#SBATCH --no-kill\n" in out.stdout
-    assert "--nodes=2 --ntasks=4" in out.stdout  # the step: the training nodes only
+    # the step: the training nodes only
+    assert '| head -n 2 |' in out.stdout and '--nodes="$step_count" --ntasks=$((step_count * 2))' in out.stdout
     data["resources"].update(spare_nodes=0)
+    shrinks = cli("render", "--site", "testcluster", str(write_yaml(tmp_path / "s.yaml", data))).stdout
+    assert "#SBATCH --nodes=2\n" in shrinks and "#SBATCH --no-kill\n" in shrinks  # on 1 node, by default
+    data["fault"] = {"min_nodes": 2}
     plain = cli("render", "--site", "testcluster", str(write_yaml(tmp_path / "p.yaml", data))).stdout
     assert "#SBATCH --nodes=2\n" in plain and "--no-kill" not in plain
 
@@ -208,3 +213,74 @@ def test_deepspeed_builds_no_snapshots(tmp_path: Path, monkeypatch: pytest.Monke
         ctx = Context(spec, env, SignalFlag())
         ctx.setup(torch.nn.Linear(1, 1), lambda parameters: torch.optim.SGD(parameters))
         assert len(built) == expected and (ctx.snapshots is None) == (expected == 0), (strategy, built)
+
+
+def test_min_nodes_resolved_and_checked(tmp_path: Path) -> None:
+    """`fault.min_nodes`: by default half the nodes (rounded up) for the built-in benchmark, none
+    less for an entrypoint job (its data loading must take ctx.data_ranks first), a command job or
+    DeepSpeed; set above `nodes`, or below it for a job that cannot shrink: one line, exit 2."""
+    from hpcrun.plan import plan
+
+    def planned(**fields: tp.Any) -> RunSpec:
+        data = {"name": "r", "resources": {"nodes": 3, "gpus_per_node": 2, "partition": "spare"}, **fields}
+        return plan(load_site("testcluster"), Recipe.model_validate(data), "r.yaml", "run")
+
+    assert (planned().min_nodes, planned().shrinks) == (2, True)
+    entry = {"kind": "entrypoint", "entrypoint": "m:f"}
+    assert planned(job=entry).min_nodes == 3 and not planned(job=entry).shrinks
+    assert planned(job=entry, fault={"min_nodes": 1}).min_nodes == 1
+    assert planned(strategy={"name": "deepspeed", "stage": 2}).min_nodes == 3
+    assert not planned(fault={"restarts_in_job": 0}).shrinks  # only a restart inside the job shrinks
+    data = load_yaml(ROOT / "jobs" / "quickstart.yaml")
+    data["resources"].update(nodes=2, partition="spare")
+    for fault, strategy, words in (
+        ({"min_nodes": 3}, None, "fault.min_nodes: must be <= resources.nodes (2)"),
+        ({"min_nodes": 1}, {"name": "deepspeed", "stage": 2},
+         "fault.min_nodes: strategy deepspeed resumes only at the world size that saved it"),
+    ):
+        edited = {**data, "fault": fault, **({"strategy": strategy} if strategy else {})}
+        out = cli("validate", "--site", "testcluster", str(write_yaml(tmp_path / "r.yaml", edited)))
+        assert out.exit_code == 2 and words in out.output, out.output
+
+
+@pytest.mark.parametrize(("least", "restarted"), [(2, "node1,node2"), (3, None)])
+def test_a_lost_node_without_a_spare_shrinks_the_job_down_to_min_nodes(
+    least: int, restarted: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure step after node3 of a 3-node job with no spare is lost: with `min_nodes: 2` the
+    step starts again in the job on the two nodes left; with 3 (below it) the job is requeued, as
+    before (that requeue fails here: SLURM's tools are shadowed)."""
+    from hpcrun.errors import HpcrunError
+    from hpcrun.plan import plan
+    from hpcrun.results import load
+    from hpcrun.rundir import RunDir
+    from hpcrun.runtime.failure import record_failed_step
+
+    recipe = Recipe.model_validate({"name": "r", "resources": {"nodes": 3, "gpus_per_node": 2, "partition": "spare"},
+                                    "fault": {"min_nodes": least}})
+    planned = plan(load_site("testcluster"), recipe, "r.yaml", "run").model_copy(
+        update={"results_dir": str(tmp_path / "results")})
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    run_dir.spec.write_text(planned.model_dump_json())
+    (tmp_path / "probes").write_text("node node1 0\nnode node2 0\nnode node3 124\ncontroller - 0\n")
+    for name, value in {
+        "SLURM_JOB_ID": "77", "HPCRUN_ATTEMPT": "0", "SLURM_RESTART_COUNT": "0", "HPCRUN_RESTARTS_IN_JOB": "0",
+        "HPCRUN_STEP_NODES": "node1,node2,node3", "HPCRUN_JOB_NODES": "node1,node2,node3",
+        "HPCRUN_PROBES": str(tmp_path / "probes"), "HPCRUN_NEXT_NODES": str(tmp_path / "next"),
+        "PATH": f"{ROOT / 'tests' / 'cluster' / 'noslurm' / 'bin'}:{os.environ['PATH']}",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    ended = f"srun: error: node3: task 4: Killed\n{slurm.SRUN_ENDED}: it outlived its failed task by 5 s\n"
+    if restarted:
+        reason = record_failed_step(run_dir, 1, ended)
+        assert reason and "node lost: node3" in reason and "on 2 of 3 nodes (node1,node2)" in reason, reason
+        assert (tmp_path / "next").read_text().strip() == restarted
+    else:
+        with pytest.raises(HpcrunError, match="scontrol"):
+            record_failed_step(run_dir, 1, ended)
+        assert not (tmp_path / "next").exists()
+        assert "requeue" in run_dir.state()["reason"], run_dir.state()
+    (row,) = load(tmp_path / "results").to_dict("records")
+    assert (row["world_size"], row["nodes"]) == (6, 3), row  # the failed attempt's own world

@@ -390,3 +390,15 @@ def test_files_compaction_leaves_do_not_make_every_read_compact(tmp_path: Path) 
     with pytest.warns(UserWarning, match="left as it is, not merged"):  # four new files: time to merge
         compact_when_many(tmp_path, limit=3)
     assert sum(p.name.startswith("compacted-") for p in files(tmp_path)) == 1
+
+
+def test_compare_names_a_shrunk_attempt_among_full_size_runs(tmp_path: Path) -> None:
+    """A completed attempt that shrank from 3 nodes to 2 after a lost node (its global batch the
+    3-node run's) is not averaged silently with 2-node runs: `mixes` says global_batch."""
+    from hpcrun.compare import compare
+
+    measured = {"wall_tokens_per_s": 900.0, "recovery_overhead": 0.01}
+    table = pd.DataFrame([row(run_id="a", nodes=2, world_size=4, global_batch=8, **measured),
+                          row(run_id="b", nodes=2, world_size=4, global_batch=12, **measured)])
+    assert compare(table, ["strategy", "nodes"])["mixes"].tolist() == ["global_batch"]
+    assert compare(table.iloc[:1], ["strategy", "nodes"])["mixes"].tolist() == [""]

@@ -54,14 +54,17 @@ def prepared(tmp: Path, name: str, delay: float, memory_interval: int, disk_inte
     return prepare(plan(site, load_recipe(path).base, path, name))
 
 
-def launch(run_dir: Path, nodes: list[Path], job_id: str, attempt: int = 0) -> list[subprocess.Popen[bytes]]:
+def launch(
+    run_dir: Path, nodes: list[Path], job_id: str, attempt: int = 0, world: int = WORLD
+) -> list[subprocess.Popen[bytes]]:
     """One start of the training step: every rank as srun would start it, ranks 2k and 2k+1 on
     pretend node k; a restart inside the job keeps SLURM's job id and requeue count and raises
-    hpcrun's attempt number (HPCRUN_ATTEMPT), as the batch script does."""
+    hpcrun's attempt number (HPCRUN_ATTEMPT), as the batch script does. `world`: fewer ranks than
+    planned, as after a shrink."""
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = {
-            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(WORLD),
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_REQUEUES": "0",
             "HPCRUN_ATTEMPT": str(attempt),
             rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
@@ -627,3 +630,83 @@ def test_a_copy_arriving_after_close_creates_no_directory(tmp_path: Path) -> Non
     assert "left=[]" in out1, out1
     assert not rundir.snapshot_job_dir(tmp_path / "node1", "7", 0).exists()
     assert "snapshot of step 1 failed on rank 1 (rank 1: abandoned" in out0, out0  # rank 1 holds no copy
+
+
+def test_a_killed_rank_resumes_from_the_survivors_last_step(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Rank 3 alone SIGKILLed mid-run (DDP, no periodic snapshot, disk every 5 steps): the three
+    others see their collective fail, keep the state of their last completed step (one survivor per
+    pretend node writes every rank's directory of it) and exit; the restart resumes from that step,
+    past the disk checkpoint, and ends with the weights of a run never interrupted. The losses of
+    the steps before the restart are the mean of the ranks that outlived the failure (rank 3's died
+    with it); every later one is exact."""
+    run_dir = prepared(tmp_path, "survivors", STEP_DELAY_S, 1000, 5, "ddp")
+    nodes = [tmp_path / "nodeA", tmp_path / "nodeB"]
+    job_id = str(random.randint(1000, 11000))
+    procs = launch(run_dir, nodes, job_id)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
+             what="the disk checkpoint of step 5", timeout=120)
+    time.sleep(3 * STEP_DELAY_S)  # a few steps past it
+    procs[3].send_signal(signal.SIGKILL)
+    codes = [proc.wait(timeout=60) for proc in procs]  # the survivors end by themselves
+    assert codes[3] == -signal.SIGKILL and all(code != 0 for code in codes[:3]), codes
+    kept = {node.name: held(node, job_id, run_dir.name) for node in nodes}
+    steps = {s for found in kept.values() for held_steps in found.values() for s in held_steps}
+    assert len(steps) == 1 and all(set(found) == set(range(WORLD)) for found in kept.values()), kept
+    (survived,) = steps
+    disk = max(rundir.step_dirs(checkpoints))
+    assert survived > disk, f"the survivors' step {survived} is not past the disk checkpoint {disk}"
+    logs = "".join((run_dir / f"rank{r}.log").read_text() for r in range(WORLD))
+    assert logs.count(f"survivor's save: kept step {survived} for rank(s) 0, 1, 2, 3") == 2, logs[-3000:]
+    finished(launch(run_dir, nodes, job_id, attempt=1), run_dir)
+    whole = baseline(tmp_path_factory, "ddp")
+    assert state(run_dir)["status"] == "completed" and weights(run_dir) == weights(whole)
+    got, want = losses(run_dir), losses(whole)
+    assert len(got) == len(want) and got[survived:] == want[survived:], (got, want)
+    row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
+    assert row["resumed_from"] == "survivor" and row["first_step"] == survived, row
+
+
+# README "Training on through a lost node": a step's loss after a shrink within SHRINK_RTOL of the
+# uninterrupted run's (measured 4e-8: fp32 sums in another order), every final weight within
+# SHRINK_WTOL of its tensor's largest (measured 9e-4: Adam moves a weight whose gradient is noise-level
+# by up to lr a step, whichever its sign); without the accumulation (a smaller batch) the loss parted by 0.5
+SHRINK_RTOL, SHRINK_WTOL = 1e-5, 1e-2
+
+
+def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Pretend node B lost (its ranks 2 and 3 SIGKILLed, its scratch gone) after the survivors on
+    node A kept their step: the restart runs ranks 0 and 1 only (the job shrank to one node), each
+    taking two of the four slices of every step by gradient accumulation, from the survivors' state
+    (saved by four ranks, loaded by two). Every later step's loss and the final weights match the
+    uninterrupted 4-rank run within SHRINK_RTOL."""
+    run_dir = prepared(tmp_path, "shrink", STEP_DELAY_S, 1000, 5, "ddp")
+    nodes = [tmp_path / "nodeA", tmp_path / "nodeB"]
+    job_id = str(random.randint(1000, 11000))
+    procs = launch(run_dir, nodes, job_id)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
+             what="the disk checkpoint of step 5", timeout=120)
+    time.sleep(3 * STEP_DELAY_S)
+    for proc in procs[2:]:
+        proc.send_signal(signal.SIGKILL)
+    codes = [proc.wait(timeout=60) for proc in procs]
+    assert codes[2:] == [-signal.SIGKILL] * 2 and all(code != 0 for code in codes[:2]), codes
+    shutil.rmtree(nodes[1], ignore_errors=True)  # (none there unless a survivor wrote: no periodic snapshot)
+    (survived,) = {s for steps in held(nodes[0], job_id, run_dir.name).values() for s in steps}
+    finished(launch(run_dir, nodes, job_id, attempt=1, world=2), run_dir)
+    assert state(run_dir)["status"] == "completed", state(run_dir)
+    log = (run_dir / "rank0.log").read_text()
+    assert "training on 2 of 4 ranks: the same global batch" in log, log[-3000:]
+    whole = baseline(tmp_path_factory, "ddp")
+    got, want = losses(run_dir), losses(whole)
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got[survived:], want[survived:]))
+    mine = torch.load(rundir.RunDir(run_dir).final_weights, weights_only=True)
+    theirs = torch.load(rundir.RunDir(whole).final_weights, weights_only=True)
+    weights_off = max(((mine[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
+    print(f"\n[shrink] from step {survived}: largest relative loss difference {worst:.2e}, weights {weights_off:.2e}")
+    assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
+    row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
+    assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "survivor", survived), row

@@ -17,7 +17,7 @@ from hpcrun.plan import RunSpec
 from hpcrun.rundir import RunDir, atomic_path, atomic_write
 from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime import failure, nodes, predecessors, requeue, timeouts
-from hpcrun.runtime.context import Context
+from hpcrun.runtime.context import SURVIVOR_WAIT_S, Context
 from hpcrun.runtime.env import DistEnv, from_scheduler, init_process_group
 from hpcrun.runtime.function import CallRaised
 from hpcrun.runtime.jobs import JOBS
@@ -70,6 +70,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
     except Exception as exc:
         raised = isinstance(exc, CallRaised)
         status, reason = "failed", str(exc) if raised else f"{type(exc).__name__}: {exc}"
+        if not raised:  # a peer's death, or this rank's own error: the state of the last completed step stays
+            ctx.keep_survivor_state(SURVIVOR_WAIT_S)
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
             latest = ctx.measured.latest  # the end of this rank's last completed step: where detection starts
             failure.write_exit_record(ctx.run_dir, env.job_id, env.attempt, env.rank, reason, ctx.step,

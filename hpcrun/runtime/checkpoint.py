@@ -72,6 +72,18 @@ def rng_state() -> dict[str, tp.Any]:
     return state
 
 
+def seed_step(seed: int, step: int, rank: int) -> None:
+    """Seed every stream `rng_state` holds from (seed, step, rank) alone, at each step's start: a
+    rank's draws then follow from the step it is at, so a rank restored from another's state (a
+    survivor's save, hpcrun.runtime.snapshotsurvivor) draws what it would have. Blake2b: Python's
+    `hash` of a str changes from process to process."""
+    value = int.from_bytes(hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest(), "little")
+    torch.default_generator.manual_seed(value)  # torch.manual_seed asks every backend: ~0.3 ms, this ~3 us
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(value)
+    random.seed(value)
+
+
 def set_rng_state(state: dict[str, tp.Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])

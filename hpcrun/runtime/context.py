@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import os
 import signal
 import sys
@@ -34,6 +35,8 @@ from hpcrun.runtime.watchdog import Watchdog
 from hpcrun.signals import SignalFlag
 from hpcrun.strategies.contract import Engine, OptimizerFactory
 
+SURVIVOR_WAIT_S = 2.0  # for the optimizer step in progress, before a survivor's save (an optimizer step is short)
+
 
 class Context:
     """What a user's `module:function` receives: ranks, device, `setup`, `steps`, `log`."""
@@ -44,6 +47,10 @@ class Context:
         self.recipe = spec.recipe
         self.args: dict[str, tp.Any] = spec.recipe.job.args if isinstance(spec.recipe.job, EntrypointJob) else {}
         self.rank, self.local_rank, self.world_size, self.device = env.rank, env.local_rank, env.world_size, env.device
+        # the planned world's ranks are the global batch's slices; after a lost node (a shrink) each rank
+        # left takes several, by gradient accumulation (README, "Training on through a lost node")
+        self.data_world = spec.world_size
+        self.data_ranks = list(range(env.rank, self.data_world, env.world_size))
         checkpoint = spec.recipe.checkpoint
         self.checkpoints = ckpt.Checkpoints(
             self.run_dir.checkpoints, env, checkpoint.keep, spec.strategy.name, checkpoint.asynchronous,
@@ -86,6 +93,10 @@ class Context:
         self.engine = self.recipe.strategy.build(
             model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
         )
+        if self.shrunk:  # each micro-batch's loss divided by all the micro-batches of the global batch, over ranks
+            self.engine.accum = self.data_world * self.recipe.training.grad_accum / self.world_size
+            self.info(f"training on {self.world_size} of {self.data_world} ranks: the same global batch, each rank "
+                      f"taking {len(self.data_ranks)} or so slices of it (this one: {self.data_ranks})")
         if self.spec.takes_snapshots:
             self.snapshots = self.snapshots_of(self.engine)
         restored = self.snapshots.restore(self.engine, found[0] if found else 0) if self.snapshots else None
@@ -97,10 +108,8 @@ class Context:
             self.restored = state
             self.start_step = int(state["step"])
             self.restored_losses = list(state.get("losses", []))
-            if "rank_losses" in state:  # a snapshot's: the mean over ranks, as global_losses takes it
-                self.measured.losses = list(state["rank_losses"])
-                self.restored_losses = self.global_losses()
-                self.measured.losses = []
+            if "rank_losses" in state:  # a snapshot's: this rank's own, their mean over ranks taken here
+                self.restored_losses += self.mean_over_ranks(state["rank_losses"])
             where = f"{restored.source} snapshot" if restored else f"disk checkpoint {found[1]}" if found else ""
             if self.env.is_main:  # one line on stderr, where a restart is looked for
                 print(f"[hpcrun rank 0] resumed from {where} (step {self.start_step})", file=sys.stderr, flush=True)
@@ -117,13 +126,14 @@ class Context:
         disk, memory = self.make_cadences()  # before the watchdog: what raises here leaves no ring behind
         watchdog = Watchdog(
             self.run_dir, env.job_id, env.attempt, env.rank, env.world_size, self.recipe.fault.hang_timeout_s,
-            self.pulse_ring(),
+            self.pulse_ring(), on_end=lambda: self.keep_survivor_state(SURVIVOR_WAIT_S),
         )
         warmup = self.recipe.training.warmup_steps
         try:
             self.measured.mark(warmup)  # the wall clock the results row's wall_tokens_per_s is measured on
             for step in range(self.start_step, total):
                 self.step = step
+                ckpt.seed_step(self.recipe.training.seed, step, self.rank)
                 self.step_metrics = {}
                 recorded = len(self.measured.losses)
                 start = time.perf_counter()
@@ -308,6 +318,60 @@ class Context:
             dist.all_reduce(t)
             local = (t / self.world_size).tolist()
         return self.restored_losses + list(local)
+
+    @property
+    def shrunk(self) -> bool:
+        """Whether this attempt trains on fewer ranks than planned (a lost node and no spare)."""
+        return self.world_size < self.data_world
+
+    def batch_loss(self, losses: list[float]) -> float:
+        """This rank's part of the step's loss from the losses of its micro-batches (`record_loss`'s
+        value): their mean, or after a shrink their share of the global batch's mean, so that the mean
+        over ranks (`global_losses`) is still the mean over every micro-batch of the step."""
+        if not self.shrunk:
+            return sum(losses) / len(losses)
+        return sum(losses) * self.world_size / (self.data_world * self.recipe.training.grad_accum)
+
+    def mean_over_ranks(self, values: list[float | None]) -> list[float]:
+        """Each position's mean over the ranks that know it (a survivor's save knows only the
+        survivor's own losses: hpcrun.runtime.snapshotsurvivor); NaN where none does. Collective;
+        every rank passes as many."""
+        known = torch.tensor([[0.0 if v is None else v, float(v is not None)] for v in values], dtype=torch.float64)
+        if known.numel() and dist.is_initialized() and self.world_size > 1:
+            known = known.to(self.device)
+            dist.all_reduce(known)
+        return [total / count if count else math.nan for total, count in known.cpu().tolist()]
+
+    def keep_survivor_state(self, wait_s: float) -> None:
+        """Tier 0 of recovery: after a failure (this rank's collective raised, or its watchdog fires)
+        write the state of the last completed step where the restart finds it
+        (hpcrun.runtime.snapshotsurvivor), once the optimizer step in progress, if any, has ended
+        (at most `wait_s`). Never raises: the failure is recorded whatever this does."""
+        engine, snapshots = self.engine, self.snapshots
+        lock = getattr(engine, "update_lock", None)
+        if snapshots is None or lock is None or not getattr(engine, "replicated", False):
+            return
+        saving = self.run_dir.survivor_saving(self.env.job_id, self.env.attempt, self.rank)
+        try:  # the batch script waits longer for a step one of whose ranks says so
+            saving.parent.mkdir(parents=True, exist_ok=True)
+            saving.touch()
+        except OSError:
+            pass
+        if not lock.acquire(timeout=wait_s):
+            saving.unlink(missing_ok=True)
+            return
+        try:
+            step = self.start_step + engine.updates
+            done = step - self.start_step  # this attempt's steps: its losses, one per step, the last maybe unrecorded
+            own = (list(self.measured.losses) + [None] * done)[:done]
+            state = {**self.trainer_state(step), "losses": self.restored_losses, "rank_losses": own}
+            said = snapshots.keep_survivor(engine, step, state)
+        except Exception as exc:  # noqa: BLE001 - the restart resumes from what else there is
+            said = f"not kept: {type(exc).__name__}: {exc}"
+        finally:
+            lock.release()
+            saving.unlink(missing_ok=True)
+        print(f"[hpcrun rank {self.rank}] survivor's save: {said}", file=sys.stderr, flush=True)
 
     def save(self, step: int, block: bool) -> float:
         """A disk checkpoint of `step`; returns the seconds training was held."""

@@ -6,6 +6,7 @@ for export."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import typing as tp
 from concurrent.futures import Future
 from pathlib import Path
@@ -48,7 +49,7 @@ class TorchEngine:
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
-        self.accum = recipe.training.grad_accum
+        self.accum: float = recipe.training.grad_accum  # micro-batches per rank per step (more after a shrink)
         self._stager: AsyncStager | None = None
         self._snapshot_stager: AsyncStager | None = None
         self.snapshot_buffers = SnapshotBuffers()  # what snapshots copy into, and where they are in their life
@@ -60,6 +61,10 @@ class TorchEngine:
         self._snapshot_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
         self._snapshot_copied: torch.cuda.Event | None = None
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step, when clipping computes it
+        # held through each optimizer step, which `updates` counts: a survivor's save (hpcrun.runtime.snapshotsurvivor)
+        # from another thread takes it, and so never reads a half-updated state
+        self.update_lock = threading.Lock()
+        self.updates = 0
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         if self._snapshot_copied is not None and self._buffers_change:  # forward writes buffers the copy reads
@@ -104,6 +109,11 @@ class TorchEngine:
         self.model.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
+        with self.update_lock:
+            self._optimizer_step()
+            self.updates += 1
+
+    def _optimizer_step(self) -> None:
         if self._snapshot_copied is not None:  # a snapshot's copy to host still reads the state
             torch.cuda.current_stream(self.env.device).wait_event(self._snapshot_copied)
         clip = self.recipe.training.grad_clip
@@ -207,7 +217,12 @@ class TorchEngine:
             self._snapshot_copied.record(self._snapshot_stream)
         return tp.cast(dict[str, tp.Any], buffers.tensors)
 
-    def write_snapshot(self, state: dict[str, tp.Any], directory: Path) -> None:
+    def survivor_state(self) -> dict[str, tp.Any]:
+        """The live state, for `write_snapshot` with no copy and no collective: a survivor's save
+        (hpcrun.runtime.snapshotsurvivor) while holding `update_lock`."""
+        return self._state()
+
+    def write_snapshot(self, state: dict[str, tp.Any], directory: Path, threads: int = 1) -> None:
         """Write a `snapshot_state` into `directory` on node-local scratch: the same DCP save as a
         checkpoint, with no collective (`no_dist`), so each rank's directory holds all that rank
         loads (a collective save writes DDP's replicated tensors once, on rank 0's node)."""
@@ -215,8 +230,8 @@ class TorchEngine:
 
         if self._snapshot_copied is not None:  # the side stream's copy into these buffers
             self._snapshot_copied.synchronize()
-        # tmpfs: no fsync, and one thread (a memcpy) that leaves the cores to training
-        dcp.save(state, storage_writer=checkpoint.DcpWriter(directory, sync_files=False, threads=1), no_dist=True)
+        # tmpfs: no fsync, and by default one thread (a memcpy) that leaves the cores to training
+        dcp.save(state, storage_writer=checkpoint.DcpWriter(directory, sync_files=False, threads=threads), no_dist=True)
 
     def load(self, directory: Path, local: bool = False) -> None:
         """Restore from a checkpoint (collective), or with `local` from this rank's snapshot."""

@@ -226,7 +226,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
     noticed = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     said = rank_row(own or next(iter(records), None) or {})
     step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
-    row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST")), **said}
+    world = len(step_nodes) * spec.ranks_per_node or None  # fewer than planned after a shrink
+    row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST"), world),
+           **said}
     cap = spec.recipe.checkpoint.max_requeues
     in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
     next_file = os.environ.get("HPCRUN_NEXT_NODES")
@@ -268,6 +270,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         if may_restart and not final:  # silent nodes only where others can take their place: not a requeue
             nodes = restart_nodes(spec, state, step_nodes, allocated, lost + probed.silent)
             nodes = nodes or restart_nodes(spec, state, step_nodes, allocated, lost)
+            if nodes is None and spec.shrinks:  # none to take a lost node's place (now or before): train on without
+                nodes = restart_nodes(spec, state, step_nodes, allocated, lost, spec.min_nodes)
         stopped = stop.came if stop is not None else None
         if final:
             reason += "; the call's own error, its result: not run again"
@@ -278,6 +282,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
             reason += f"; {RESTARTING} ({in_job + 1} of {spec.recipe.fault.restarts_in_job})"
             if set(nodes) - set(step_nodes):
                 reason += f" on {','.join(nodes)}"
+            if len(nodes) < spec.nodes:
+                reason += f" on {len(nodes)} of {spec.nodes} nodes ({','.join(nodes)}), the same global batch"
         else:
             if nodes is not None:  # the job is to leave: a restart would run on with no stop coming
                 reason += f"; {stopped} during the failure step: not restarted in the job"

@@ -38,14 +38,16 @@ def builtin_benchmark(
         model.compile_blocks()
     engine = ctx.setup(model, lambda params: adamw(params, training.lr))
     mb, accum = training.micro_batch, training.grad_accum
+    # this rank's slices of each step's global batch: its own, and after a shrink a lost rank's too
+    slices = [(m, data_rank) for m in range(accum) for data_rank in ctx.data_ranks]
     for step in ctx.steps():
         losses = []
-        for m in range(accum):
-            first = (m * ctx.world_size + ctx.rank) * mb  # this rank's slice of the global batch
+        for i, (m, data_rank) in enumerate(slices):
+            first = (m * ctx.data_world + data_rank) * mb
             tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
-            losses.append(engine.micro_step(tokens.to(ctx.device), targets.to(ctx.device), last=m == accum - 1))
+            losses.append(engine.micro_step(tokens.to(ctx.device), targets.to(ctx.device), last=i == len(slices) - 1))
         engine.optimizer_step()
-        ctx.record_loss(sum(losses) / len(losses))
+        ctx.record_loss(ctx.batch_loss(losses))
         if ctx.env.is_main and (step + 1) % training.log_interval == 0:
             ctx.info(f"step {step + 1}/{training.steps} loss {losses[-1]:.4f}")
         if after_step is not None:

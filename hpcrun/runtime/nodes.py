@@ -60,15 +60,15 @@ def probed_nodes(step_nodes: list[str], srun_stderr: str, probes: Path | None) -
 
 
 def restart_nodes(spec: RunSpec, state: dict[str, tp.Any], step_nodes: list[str], allocated: list[str],
-                  avoid_now: list[str]) -> list[str] | None:
+                  avoid_now: list[str], least: int | None = None) -> list[str] | None:
     """The nodes of the next start inside the job: the step's own in their order, less those to
     avoid now (lost, silent) and the excluded ones, topped up from the job's other nodes (the hot
-    spares); None when too few are left."""
+    spares) up to `spec.nodes`; None when fewer than `least` (default: all of them) are left."""
     avoid = set(avoid_now) | set(state.get("excluded_nodes") or []) | set(state.get("failed_nodes") or [])
     keep = [n for n in step_nodes if n not in avoid]
     spares = [n for n in allocated if n not in avoid and n not in keep]
     chosen = (keep + spares)[: spec.nodes]
-    return chosen if len(chosen) == spec.nodes else None
+    return chosen if len(chosen) >= (least or spec.nodes) else None
 
 
 def hostnames(node_list: str) -> list[str]:

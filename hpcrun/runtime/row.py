@@ -58,14 +58,19 @@ def global_batch(spec: RunSpec) -> int | None:
     return None if own_batch else spec.world_size * t.micro_batch * t.grad_accum
 
 
-def plan_row(spec: RunSpec, job_id: str, attempt: int, node_list: str | None) -> dict[str, tp.Any]:
-    """The columns the plan decides, and the attempt's ids: every row has them."""
+def plan_row(
+    spec: RunSpec, job_id: str, attempt: int, node_list: str | None, world_size: int | None = None
+) -> dict[str, tp.Any]:
+    """The columns the plan decides, and the attempt's ids: every row has them. `world_size`: the
+    attempt's own, where it trained on fewer ranks than planned (a shrink); the global batch stays."""
     recipe, t, size = spec.recipe, spec.recipe.training, spec.size
+    world = world_size or spec.world_size
     script = RunDir(spec.run_dir).script
     return {
         "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
         "site": spec.site_name, "cluster": spec.cluster, "partition": spec.partition,
-        "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "world_size": spec.world_size,  # not torchrun tasks
+        "nodes": world // spec.ranks_per_node, "gpus_per_node": spec.gpus_per_node,
+        "world_size": world,  # ranks, not torchrun's tasks
         "gpu_model": spec.gpu_model, "interconnect": spec.interconnect,
         "strategy": spec.strategy.name, **spec.strategy.result_columns(),
         "plan_option": spec.strategy.memory_option().name if size else None,
@@ -90,14 +95,16 @@ def result_row(ctx: Attempt, status: str, reason: str | None, peak: int) -> dict
     spec = ctx.spec
     t = spec.recipe.training
     samples = global_batch(spec)
+    world = None if spec.recipe.job.kind == "command" else ctx.env.world_size  # a command's tasks are not its ranks
     measured = summarise(
-        ctx.measured, t.warmup_steps, samples * t.seq_len if spec.size and samples else None, samples, spec.world_size,
+        ctx.measured, t.warmup_steps, samples * t.seq_len if spec.size and samples else None, samples,
+        world or spec.world_size,
         spec.size.flops_per_token(t.seq_len) if spec.size else None, spec.peak_tflops,
     )
     ds_version = sys.modules["deepspeed"].__version__ if "deepspeed" in sys.modules else None
     last_step = ctx.step if not ctx.stopped else ctx.step + 1
     return {
-        **plan_row(spec, ctx.env.job_id, ctx.env.attempt, ctx.env.node_list),
+        **plan_row(spec, ctx.env.job_id, ctx.env.attempt, ctx.env.node_list, world),
         "start_time": ctx.started, "end_time": dt.datetime.now(dt.timezone.utc), "status": status, "reason": reason,
         "torch_version": torch.__version__, "deepspeed_version": ds_version,
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,

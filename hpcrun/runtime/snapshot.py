@@ -45,6 +45,7 @@ from hpcrun.runtime.snapshotdirs import RankDirs
 from hpcrun.runtime.snapshotexchange import Peers
 from hpcrun.runtime.snapshotfiles import publish
 from hpcrun.runtime.snapshotrestore import Restored, restore
+from hpcrun.runtime.snapshotsurvivor import keep
 from hpcrun.runtime.snapshotsweep import sweep, sweep_run
 
 PREPARE_WAIT_S = 10.0  # at the end, for buffers still being allocated: a stop must fit in KillWait
@@ -68,7 +69,7 @@ class Snapshots:
         self._worker: threading.Thread | None = None
         if env.local_rank == 0:  # before any rank of this attempt writes: the first `restore` waits for it
             sweep(scratch, env.allocation_id, env.slurm_requeues, others=on_slurm)
-            sweep_run(scratch, self.job_dir, run_id, host)
+            sweep_run(scratch, self.job_dir, run_id, host, env.world_size)
 
     @property
     def job_dir(self) -> Path:
@@ -84,6 +85,15 @@ class Snapshots:
         """Load the newest step every rank has a verified copy of, written by one attempt, if
         newer than `newer_than` (the newest disk checkpoint's step); None: resume from disk."""
         return restore(self.peers, self.dirs, engine, newer_than, self.info)
+
+    def keep_survivor(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> str:
+        """After a failure, this rank's live state as step `step` for every rank on this node, where
+        every rank's engine state is the same (hpcrun.runtime.snapshotsurvivor); no collective.
+        Returns what was done, for the log. The caller holds the engine's update lock."""
+        if not getattr(engine, "replicated", False):
+            return "not kept: a sharded state (a dead rank's shard is in its periodic snapshot only)"
+        return keep(self.dirs, self.peers, engine, self.env.rank, self.env.world_size, self.env.attempt, self.run_id,
+                    step, trainer_state)
 
     @property
     def busy(self) -> bool:

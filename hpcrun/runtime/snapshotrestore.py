@@ -20,12 +20,14 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.snapshotdirs import RankDirs
 from hpcrun.runtime.snapshotexchange import Peers, nodes_ranks
 from hpcrun.runtime.snapshotfiles import manifest_of, verify
+from hpcrun.runtime.snapshotsurvivor import SURVIVOR
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """Where an attempt resumed from: `memory` (every rank's own node held its files) or
-    `replica` (some rank's files came from another node), the step, and this rank's trainer state."""
+    """Where an attempt resumed from: `memory` (every rank's own node held its files), `replica`
+    (some rank's files came from another node) or `survivor` (the ranks that outlived the failure
+    kept their last step: hpcrun.runtime.snapshotsurvivor), the step, and this rank's trainer state."""
 
     source: str
     step: int
@@ -36,13 +38,16 @@ Copy = tuple[int, int, int]
 """A snapshot copy: (rank, step, attempt that wrote it)."""
 
 
-def inventory(dirs: RankDirs, world_size: int) -> list[Copy]:
-    """(rank, step, attempt) of every complete snapshot of this run's world size on this node."""
+def inventory(dirs: RankDirs, world_size: int, larger: bool = False) -> list[Copy]:
+    """(rank, step, attempt) of every complete snapshot of this run's world size on this node (with
+    `larger`, of a larger one too: a replicated state resumes on fewer ranks after a shrink)."""
     found = []
     for rank, path in rundir.snapshot_ranks(dirs.job_dir, dirs.run_id, dirs.host).items():
         for step, step_path in rundir.step_dirs(path).items():
             manifest = manifest_of(step_path)
-            if manifest and manifest.get("world_size") == world_size and manifest.get("step") == step:
+            saved_by = manifest.get("world_size") if manifest else None
+            usable = saved_by == world_size or (larger and isinstance(saved_by, int) and saved_by > world_size)
+            if manifest and usable and manifest.get("step") == step:
                 found.append((rank, step, int(manifest.get("attempt", -1))))
     return found
 
@@ -53,7 +58,8 @@ def restore(
     """Load the newest step every rank has a verified copy of, written by one attempt, if newer
     than `newer_than` (the newest disk checkpoint's step); None: resume from disk. Collective."""
     env = peers.env
-    gathered = peers.gather((peers.node, inventory(dirs, env.world_size)))
+    # every rank's engine state is the same (DDP): saved by more ranks, it serves fewer as well
+    gathered = peers.gather((peers.node, inventory(dirs, env.world_size, larger=getattr(engine, "replicated", False))))
     peers.nodes = [node for node, _ in gathered]
     holders: dict[Copy, list[int]] = {}
     for group in nodes_ranks(peers.nodes):  # one holder per node: its first rank
@@ -76,6 +82,8 @@ def restore(
             info(f"snapshot of step {step} not usable: {why}; resuming from disk")
             return None
         path = rundir.step_dir(dirs.rank_dir(env.rank), step)
+        if SURVIVOR in (manifest_of(path) or {}):  # the ranks that outlived the failure kept this step
+            source = SURVIVOR
         engine.load(rundir.engine_state(shared), local=True)
         state = torch.load(rundir.trainer_state(path, env.rank), weights_only=True)
         ckpt.set_rng_state(state["rng"])

@@ -80,18 +80,22 @@ def sweep(scratch: Path, allocation_id: str, slurm_requeues: int, others: bool) 
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def sweep_run(scratch: Path, job_dir: Path, run_id: str, host: str) -> None:
+def sweep_run(scratch: Path, job_dir: Path, run_id: str, host: str, world_size: int | None = None) -> None:
     """Remove what this node holds of run `run_id` that no live process writes and no restore can
     use: in this job start's directory `job_dir` the partial steps of killed attempts (on a tight
     tmpfs they would make every later snapshot fail), in other job starts' directories (another job
     of the run, a requeue's whose exit could not clear the node) the whole rank directories, as
-    snapshots never serve across job starts (a requeue or a new job resumes from disk)."""
+    snapshots never serve across job starts (a requeue or a new job resumes from disk). With
+    `world_size`, also the directories of ranks past it: a larger world's, before a shrink, that no
+    rank restores (their engine state's links would keep a copy in memory)."""
     for paths in rundir.snapshot_job_dirs(scratch).values():
         for start in paths:
             current = start.name == job_dir.name
-            for rank_dir in rundir.snapshot_ranks(start, run_id, host).values():
+            for rank, rank_dir in rundir.snapshot_ranks(start, run_id, host).items():
                 with unowned(rank_dir) as free:
-                    if free and current:
+                    if free and current and world_size is not None and rank >= world_size:
+                        shutil.rmtree(rank_dir, ignore_errors=True)
+                    elif free and current:
                         remove_partial_steps(rank_dir)
                     elif free:
                         shutil.rmtree(rank_dir, ignore_errors=True)

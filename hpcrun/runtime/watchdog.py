@@ -71,11 +71,13 @@ class Watchdog:
     def __init__(
         self, run_dir: RunDir, job_id: str, attempt: int, rank: int, world_size: int, timeout_s: float | None,
         pulse: Pulse | None = None, floor_s: float = FLOOR_S, busy_cap_s: float = BUSY_CAP_S,
+        on_end: tp.Callable[[], None] | None = None,
     ) -> None:
+        """`on_end`: run once it fires, before the exit record (the survivor's save: hpcrun.runtime.context)."""
         self.run_dir, self.job_id, self.attempt, self.rank, self.world_size = run_dir, job_id, attempt, rank, world_size
         self.fixed = timeout_s
         self.timeout_s: float | None = timeout_s
-        self.pulse, self.floor_s, self.busy_cap_s = pulse, floor_s, busy_cap_s
+        self.pulse, self.floor_s, self.busy_cap_s, self.on_end = pulse, floor_s, busy_cap_s, on_end
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.main_thread = threading.main_thread().ident
         self.cpu_at: tuple[float, float] | None = None  # (monotonic, the training thread's CPU seconds)
@@ -183,6 +185,11 @@ class Watchdog:
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 except Exception as exc:  # noqa: BLE001 - no stacks (stderr closed, no file descriptor): still exit
                     self.say(f"stacks not written: {type(exc).__name__}: {exc}")
+            if self.on_end is not None:
+                try:
+                    self.on_end()
+                except Exception as exc:  # noqa: BLE001 - the record and the exit still come
+                    self.say(f"survivor's save failed: {type(exc).__name__}: {exc}")
             # the attempt's one record (hpcrun.runtime.failure) reads why this rank ended and names
             # the silent ranks; no seconds in it, so the same hang at the same step twice is the same failure
             failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, error, self.step + 1, {},

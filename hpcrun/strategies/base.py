@@ -78,6 +78,11 @@ class Strategy(Frozen):
         """Whether the run needs the site's node-local NVMe (and its per-job directory)."""
         return False
 
+    def resumes_at_another_world_size(self) -> bool:
+        """Whether an attempt may resume this strategy's state at fewer ranks than saved it (a shrink
+        after a lost node: README, "Training on through a lost node"): torch's checkpoints reshard."""
+        return True
+
     def init_on_meta(self) -> bool:
         """Whether the built-in model is created on the meta device and materialised by the engine."""
         return False

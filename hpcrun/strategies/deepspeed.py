@@ -103,6 +103,9 @@ class DeepSpeed(Strategy):
     """A DeepSpeed JSON config to use instead of the one these fields imply; its batch sizes are
     set from the recipe so the two never disagree."""
 
+    def resumes_at_another_world_size(self) -> bool:
+        return False  # its ZeRO partitions load at the world size that saved them (no universal checkpoint here)
+
     @pydantic.model_validator(mode="after")
     def _offload_rules(self) -> DeepSpeed:
         if self.offload_param != "none" and self.stage != 3:

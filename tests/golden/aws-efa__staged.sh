@@ -114,6 +114,9 @@ while :; do
   [ ! -f "$starts" ] || HPCRUN_ATTEMPT=$(wc -l <"$starts")
   echo "$SLURM_RESTART_COUNT $restarts_in_job $(date +%s) $nodes" >>"$starts"
   export HPCRUN_ATTEMPT HPCRUN_RESTARTS_IN_JOB=$restarts_in_job
+  # the job's first nodes; fewer after a lost node with none to take its place (fault.min_nodes): the
+  # ranks left take the lost ones' share of the global batch
+  step_count=$(printf '%s\n' ${nodes//,/ } | wc -l)
   # Rendezvous on the step's first node, spelled as its high-speed hostname; a port of this attempt's
   # (the last one's may linger in TIME_WAIT)
   export MASTER_ADDR="${nodes%%,*}"
@@ -128,7 +131,7 @@ while :; do
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
   ( trap '' USR2 TERM
     set +e
-    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes=1 --ntasks=2 \
+    srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes="$step_count" --ntasks=$((step_count * 2)) \
     --ntasks-per-node=2 --nodelist="$nodes" \
     --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
@@ -141,8 +144,12 @@ while :; do
   # after it --overlap. This shell waits for the step itself, so a restart starts as it ends.
   ( trap '' USR2 TERM
     set +e  # a failed log write must not end the watch
+    attempt=$HPCRUN_ATTEMPT
     unset HPCRUN_ATTEMPT  # its children are no attempt's processes a restart waits for
     failed_at=
+    # a rank that outlived the failed one saves its state first (hpcrun.runtime.snapshotsurvivor): the
+    # step is given up to 60 s while one says so
+    saving() { compgen -G "$run_dir/exits/$this_job-$attempt-rank*.saving" >/dev/null && [ $((SECONDS - failed_at)) -lt 60 ]; }
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
@@ -157,7 +164,7 @@ while :; do
             --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
           timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
           echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
-      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 5 ]; then
+      elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 5 ] && ! saving; then
         : >"$srun_stderr.ending"
         echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$srun_stderr" >&2
         pkill -KILL -P "$step" -x srun || true
