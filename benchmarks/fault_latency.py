@@ -112,7 +112,7 @@ def one(tmp: Path, fault: str, n: int, restarts_in_job: int) -> str:
         else:
             return f"{fault} {n}: did not complete ({path_taken(job)}): {state(run_dir)}"
         steps = load_steps(tmp / "results", run_id=run_dir.name)
-        resumed = steps[steps.restart_count >= 1]["time"].min()
+        resumed = steps[steps.attempt >= 1]["time"].min()
         first_step = (resumed - dt.datetime.fromtimestamp(fault_at, dt.timezone.utc)).total_seconds()
     finally:
         if node:

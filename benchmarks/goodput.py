@@ -271,7 +271,7 @@ def drive(arm: str, pool: int, steps: int, restarts: int | None, out: Path) -> N
             thread.join(timeout=120)
     rows = load(tmp / "results", run_id=run_dir.name)
     for event in events:
-        failed = rows[(rows.restart_count == event["attempt"]) & (rows.status == "failed")]
+        failed = rows[(rows.attempt == event["attempt"]) & (rows.status == "failed")]
         event["recorded_s"] = (
             round(failed.iloc[0]["end_time"].timestamp() - event["fault_at"], 1) if len(failed) else None
         )

@@ -57,7 +57,7 @@ def run(site: Path, tmp: Path, args: argparse.Namespace, arm: str) -> tuple[floa
     from hpcrun.steps import load_steps
 
     steps = load_steps(str(tmp / "results"), run_id=run_dir.name).sort_values("step")
-    assert len(steps) == args.steps and steps["restart_count"].nunique() == 1, "one uninterrupted attempt"
+    assert len(steps) == args.steps and steps["attempt"].nunique() == 1, "one uninterrupted attempt"
     timed = steps[steps["step"] >= args.warmup]
     seconds = (timed["time"].iloc[-1] - timed["time"].iloc[0]).total_seconds()
     tokens = (len(timed) - 1) * 4 * 64 * nodes * ranks

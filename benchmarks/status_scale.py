@@ -51,7 +51,7 @@ def runs(tmp: Path, count: int, with_progress: bool) -> list[Path]:
                         "eta_s": (5000 - 400 - index) * 0.8,
                         "updated": now - 5,
                         "job_id": job,
-                        "restart_count": index % 3,
+                        "attempt": index % 3,
                         "checkpoint_step": 400,
                     },
                     indent=1,

@@ -189,7 +189,7 @@ def agreement(
     done["label"] = strategy_label(done)
     runs = done.drop_duplicates("run_id").set_index("run_id")
     curves = steps[steps["run_id"].isin(runs.index)].dropna(subset=["loss"])
-    curves = curves.sort_values(["run_id", "step", "restart_count"]).drop_duplicates(["run_id", "step"], keep="last")
+    curves = curves.sort_values(["run_id", "step", "attempt"]).drop_duplicates(["run_id", "step"], keep="last")
     table = curves.pivot(index="step", columns="run_id", values="loss").astype(float)
     out = []
     for key, group in runs.groupby(keys, dropna=False):

@@ -3,7 +3,7 @@ script once per rank, like srun would, and behaves like SLURM towards them.
 
 - Each rank gets torchrun-style variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) plus
   HPCRUN_LOCAL_JOB_ID (the controller's pid, the job id `status` and `cancel` use) and
-  HPCRUN_RESTART_COUNT (which submission of the run this is), and its own log files.
+  HPCRUN_REQUEUES (which submission of the run this is), and its own log files.
 - USR2 `signal_lead_s` before the time limit, SIGTERM at it, SIGKILL after KILL_WAIT_S.
 - SIGTERM/SIGUSR2 sent to the controller (`hpcrun cancel`) are forwarded to every rank.
 - A rank that fails ends the others at once (srun's --kill-on-bad-exit): a peer that waits in a
@@ -41,7 +41,7 @@ def start(run_dir: RunDir, ranks: int, time_min: int, signal_lead_s: int, slurm_
     cmd = [
         sys.executable, "-m", "hpcrun.localjob", str(run_dir.path),
         "--ranks", str(ranks), "--time-s", str(time_min * 60), "--signal-lead-s", str(signal_lead_s),
-        "--restart-count", str(slurm_requeues),
+        "--requeues", str(slurm_requeues),
     ]
     with run_dir.controller_log.open("ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
@@ -77,7 +77,7 @@ class Controller:
                 "WORLD_SIZE": str(self.ranks),
                 "LOCAL_WORLD_SIZE": str(self.ranks),
                 "HPCRUN_LOCAL_JOB_ID": self.job_id,
-                "HPCRUN_RESTART_COUNT": str(self.slurm_requeues),
+                "HPCRUN_REQUEUES": str(self.slurm_requeues),
             }
             with (
                 self.run_dir.log(self.job_id, rank, "out").open("ab") as out,
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--time-s", type=float, required=True)
     parser.add_argument("--signal-lead-s", type=float, required=True)
-    parser.add_argument("--restart-count", dest="slurm_requeues", type=int, default=0)
+    parser.add_argument("--requeues", dest="slurm_requeues", type=int, default=0)
     args = parser.parse_args(argv)
     controller = Controller(RunDir(args.run_dir), args.ranks, args.time_s, args.signal_lead_s, args.slurm_requeues)
     return controller.run()

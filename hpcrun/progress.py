@@ -14,7 +14,7 @@ import typing as tp
 from pathlib import Path
 
 from hpcrun import jobstate
-from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
+from hpcrun.rundir import CorruptStateError, RunDir, current_names, read_json, write_json
 
 PLAIN_INTERVAL_S = 30.0  # a log or CI page wants a line now and then, not one per poll
 FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 40
@@ -28,7 +28,7 @@ class Progress:
     total: int
     updated: float
     job_id: str = ""
-    restart_count: int = 0
+    attempt: int = 0
     loss: float | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None
@@ -46,7 +46,7 @@ class Progress:
         return None if self.eta_s is None else max(0.0, self.eta_s - max(0.0, now - self.updated))
 
 
-_INTS = ("step", "total", "restart_count", "checkpoint_step")
+_INTS = ("step", "total", "attempt", "checkpoint_step")
 _FLOATS = ("updated", "loss", "tokens_per_s", "step_time_s", "eta_s")
 _REQUIRED = ("step", "total", "updated")
 
@@ -56,6 +56,7 @@ def parse(path: Path, value: tp.Any) -> Progress:
     naming the file and the field. Unknown fields are ignored: the writer may add some."""
     if not isinstance(value, dict):
         raise CorruptStateError(path, "not a JSON object")
+    value = current_names(value)  # written by an older hpcrun
     fields: dict[str, tp.Any] = {}
     for name in _REQUIRED:
         if value.get(name) is None:
@@ -98,7 +99,7 @@ def write(
     write_json(path, {
         "step": step, "total": total, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
         "eta_s": (total - step) * step_time_s if total and step_time_s is not None else None, "updated": time.time(),
-        "job_id": job_id, "restart_count": attempt, "checkpoint_step": checkpoint_step, "saves": list(saves),
+        "job_id": job_id, "attempt": attempt, "checkpoint_step": checkpoint_step, "saves": list(saves),
     })
 
 
@@ -152,7 +153,7 @@ class RunStatus(tp.Protocol):
     @property
     def state(self) -> str: ...
     @property
-    def restarts(self) -> int: ...
+    def requeues(self) -> int: ...
     @property
     def in_job(self) -> int: ...
     @property
@@ -161,9 +162,9 @@ class RunStatus(tp.Protocol):
     def done(self) -> bool: ...
 
 
-def restarts_note(status: RunStatus) -> str:
-    """` (restarts 1, 2 in the job)`: requeues and restarts inside the job, when there were any."""
-    parts = ([f"restarts {status.restarts}"] if status.restarts else []) + (
+def requeues_note(status: RunStatus) -> str:
+    """` (requeues 1, 2 in the job)`: requeues and restarts inside the job, when there were any."""
+    parts = ([f"requeues {status.requeues}"] if status.requeues else []) + (
         [f"{status.in_job} in the job"] if status.in_job else []
     )
     return f" ({', '.join(parts)})" if parts else ""
@@ -196,7 +197,7 @@ def words(status: RunStatus, now: float) -> list[str]:
 
 def line(status: RunStatus, now: float) -> str:
     """One plain line for a run: `<run>: RUNNING step 40/100 (40%), loss 3.2101, ...`."""
-    head = f"{status.run_id}: {status.state}" + restarts_note(status)
+    head = f"{status.run_id}: {status.state}" + requeues_note(status)
     shown = words(status, now)
     return head + (" " + ", ".join(shown) if shown else "")
 
@@ -209,7 +210,7 @@ class Display(tp.Protocol):
 
 
 class PlainLines:
-    """For a log or a pipe: a line for a run when its state or restarts change, when its
+    """For a log or a pipe: a line for a run when its state or requeues change, when its
     progress first appears and first moves (people want to see it start training), and then at
     most every `interval` s while its step moves."""
 
@@ -227,11 +228,11 @@ class PlainLines:
             if step is not None:
                 self.first.setdefault(run, step)
             printed_at, printed_step = self.printed.get(run, (0.0, None))
-            changed = self.seen.get(run) != (status.state, status.restarts)
+            changed = self.seen.get(run) != (status.state, status.requeues)
             due = step != printed_step and (run not in self.moved or now - printed_at >= self.interval)
             if changed or due:
                 print(line(status, now), file=self.out, flush=True)
-                self.seen[run] = (status.state, status.restarts)
+                self.seen[run] = (status.state, status.requeues)
                 self.printed[run] = (now, step)
                 if step is not None and step != self.first[run]:
                     self.moved.add(run)
@@ -275,11 +276,11 @@ class Bars:
         for status in current:
             bar, p = self._bar(status.run_id), status.progress
             eta = p.eta_now(now) if p is not None and live(status) else None
-            key = (status.state, status.restarts, p, None if eta is None else int(eta))
+            key = (status.state, status.requeues, p, None if eta is None else int(eta))
             if self.drawn.get(status.run_id) == key:
                 continue
             self.drawn[status.run_id] = key
-            head = f"{status.run_id} {status.state}" + restarts_note(status)
+            head = f"{status.run_id} {status.state}" + requeues_note(status)
             bar.set_description_str(head, refresh=False)
             if p is not None:
                 if bar.total != p.total:

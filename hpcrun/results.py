@@ -29,9 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hpcrun import rundir
-from hpcrun.rundir import CorruptStateError, atomic_path, compact_lock, read_json, write_json
+from hpcrun.rundir import RENAMED, CorruptStateError, atomic_path, compact_lock, read_json, write_json
 from hpcrun.steps import load_steps, resolve_dir
-from hpcrun.tables import arrow_table, conform
+from hpcrun.tables import arrow_table, conform, current_columns, fold, reading_schema
 
 __all__ = [
     "SCHEMA",
@@ -85,7 +85,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "seed": I,
     "job_id": S,
     "node_list": S,
-    "restart_count": I,
+    "attempt": I,
     "start_time": T,
     "end_time": T,
     "status": S,
@@ -158,7 +158,7 @@ def write_attempt(results_dir: str | Path, row: dict[str, tp.Any]) -> Path:
     directory = Path(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
     row = {**row, "attempt_id": row.get("attempt_id") or uuid.uuid4().hex}
-    ids = (row.get("run_id", "run"), row.get("job_id", "job"), row.get("restart_count", 0), row["attempt_id"])
+    ids = (row.get("run_id", "run"), row.get("job_id", "job"), row.get("attempt", 0), row["attempt_id"])
     path = rundir.attempt_file(directory, *ids)
     _write_atomic(table([row]), path)
     return path
@@ -213,7 +213,9 @@ def read(paths: list[Path]) -> pa.Table:
     if not paths:
         return SCHEMA.empty_table()
     try:  # a dataset with SCHEMA fills the columns a file lacks with nulls and leaves out the ones it adds
-        whole = ds.dataset([str(p) for p in paths], schema=SCHEMA, format="parquet").to_table()
+        # (and with the old names of renamed columns, folded into today's: files of older versions mixed in)
+        whole = fold(ds.dataset([str(p) for p in paths], schema=reading_schema(SCHEMA), format="parquet").to_table(),
+                     SCHEMA)
         if whole.column("attempt_id").null_count:  # a foreign file read as null rows
             raise ValueError("rows without attempt_id")
     except (pa.ArrowException, OSError, ValueError):
@@ -315,8 +317,11 @@ def run_rows(results_dir: str | Path, run_id: str, columns: tp.Sequence[str]) ->
 def _rows_of(path: Path, run_id: str, columns: list[str]) -> list[dict[str, tp.Any]]:
     try:
         data = pq.ParquetFile(path)
-        present = [c for c in columns if c in data.schema_arrow.names]
+        names = data.schema_arrow.names
+        old = [o for o, new in RENAMED.items() if new in columns and o in names]  # an older version's name
+        present = [c for c in columns if c in names] + old
         read = data.read(columns=present) if "run_id" in present else SCHEMA.empty_table().select(["run_id"])
+        read = current_columns(read)  # a file of an older version: its columns under today's names
         # a zoned timestamp's to_pylist imports pandas: read the UTC values unzoned, zoned again below
         zoned = {f.name: f.type.unit for f in read.schema if pa.types.is_timestamp(f.type) and f.type.tz}
         for name, unit in zoned.items():

@@ -125,6 +125,25 @@ def read_json(path: Path, missing: tp.Any) -> tp.Any:
         raise CorruptStateError(path, f"not JSON: {exc}") from exc
 
 
+# Names older hpcrun versions wrote, read as today's: the one map from old to new, for the state files
+# (state.json, progress.json, exit records: `current_names`) and the results and steps tables (hpcrun.tables).
+RENAMED = {
+    "restart_count": "attempt",  # hpcrun's number of the start of the training step (not SLURM's requeues)
+}
+
+
+def current_names(value: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """A state file's JSON object with the keys an older hpcrun wrote under an old name (RENAMED)
+    under today's; where both are there, today's wins."""
+    if not any(old in value for old in RENAMED):
+        return value
+    renamed = {k: v for k, v in value.items() if k not in RENAMED}
+    for old, new in RENAMED.items():
+        if old in value:
+            renamed.setdefault(new, value[old])
+    return renamed
+
+
 def lock(path: Path) -> FileLock:
     """The lock guarding read-modify-write of `path` between processes (login node and job)."""
     return FileLock(str(path.with_name(f".{path.name}.lock")))
@@ -316,6 +335,7 @@ class RunDir:
         state = read_json(self.state_file, {})
         if not isinstance(state, dict):
             raise CorruptStateError(self.state_file, "not a JSON object")
+        state = current_names(state)  # a run an older hpcrun started
         learnt = (("failed_nodes", list), ("excluded_nodes", list), ("slow_ranks", dict))  # what the run learnt
         for key, kind in learnt:
             if not isinstance(state.get(key) or kind(), kind):

@@ -116,7 +116,7 @@ def node_name(environ: tp.Mapping[str, str]) -> str:
 
 def requeue_count(environ: tp.Mapping[str, str]) -> int:
     """SLURM's count of the job's requeues; hpcrun's local controller says which submission this is."""
-    return int(environ.get("SLURM_RESTART_COUNT", environ.get("HPCRUN_RESTART_COUNT", "0")) or 0)
+    return int(environ.get("SLURM_RESTART_COUNT", environ.get("HPCRUN_REQUEUES", "0")) or 0)
 
 
 def attempt_number(environ: tp.Mapping[str, str]) -> int:

@@ -26,7 +26,7 @@ class RunStatus:
     state: str
     nodes: str = ""
     elapsed_s: int | None = None
-    restarts: int = 0
+    requeues: int = 0
     """Requeues (each a trip through the queue)."""
     reason: str = ""
     source: str = "sacct"
@@ -54,7 +54,7 @@ NO_ACCOUNTING = "# accounting storage is disabled\n"  # sacct's answer on a clus
 
 
 def sacct(job_ids: list[str], max_age: float = pollcache.POLL_S) -> dict[str, SchedulerRow] | None:
-    """Every requeue of `job_ids` (with -D, each is a record: the restart count), from one
+    """Every requeue of `job_ids` (with -D, each is a record: the requeue count), from one
     `sacct` call that this user's hpcrun processes share (hpcrun.pollcache). None when
     accounting is disabled."""
     if not job_ids:
@@ -188,7 +188,7 @@ def statuses(run_dirs: list[Path], max_age: float = pollcache.POLL_S) -> list[Ru
         p = status.progress
         mine = p if p is not None and p.job_id == status.job_id else None  # this job's, not an earlier one's
         if mine is not None:  # the attempt now running may not have ended yet; its number counts both kinds
-            status.restarts = max(status.restarts, mine.restart_count - status.in_job)
+            status.requeues = max(status.requeues, mine.attempt - status.in_job)
         if status.source == "local" and status.elapsed_s is None and status.submitted is not None:
             end = now if status.state == jobstate.RUNNING else (mine.updated if mine is not None else None)
             status.elapsed_s = None if end is None else max(0, int(end - status.submitted))
@@ -227,7 +227,7 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
                     state,
                     "localhost",
                     None,
-                    int(own.get("restart_count", 0)),
+                    int(own.get("attempt", 0)),
                     run_notes(own.get("reason") or "", mark),
                     "local",
                     submitted=since,
@@ -245,7 +245,7 @@ def _scheduled(run_dirs: list[Path], max_age: float) -> list[RunStatus | None]:
                     state,
                     "",
                     None,
-                    int(own.get("restart_count", 0)) - in_job,
+                    int(own.get("attempt", 0)) - in_job,
                     run_notes(own.get("reason") or "", mark),
                     source,
                     in_job=in_job,
@@ -316,7 +316,7 @@ def goodput_line(run_dir: Path, status: RunStatus) -> str | None:
     """One run's goodput and its seconds lost by cause (hpcrun.goodput), when it has failed
     attempts: its own rows are read only for a run that has had more than one attempt, so the
     view of a run that never restarted reads no results."""
-    if not (status.restarts or status.in_job):
+    if not (status.requeues or status.in_job):
         return None
     from hpcrun.goodput import COLUMNS, goodput
     from hpcrun.results import run_rows
@@ -370,7 +370,7 @@ def wait(
                 print(
                     f"[hpcrun] scheduler query failed, keeping the last states: {failed}", file=sys.stderr, flush=True
                 )
-        key = [(s.run_id, s.state, s.restarts) for s in current]
+        key = [(s.run_id, s.state, s.requeues) for s in current]
         if on_change and key != shown:
             on_change(current)
             shown = key

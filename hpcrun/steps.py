@@ -30,7 +30,7 @@ if tp.TYPE_CHECKING:
 STR, INT, FLT, UTC = pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC")
 
 COLUMNS: dict[str, pa.DataType] = {
-    "run_id": STR, "sweep_id": STR, "point_id": STR, "stage": STR, "strategy": STR, "job_id": STR, "restart_count": INT,
+    "run_id": STR, "sweep_id": STR, "point_id": STR, "stage": STR, "strategy": STR, "job_id": STR, "attempt": INT,
     "step": INT,  # completed steps, 1-based
     "time": UTC,  # when the step ended
     "loss": FLT,  # the step's loss on the global batch (mean over ranks)
@@ -40,7 +40,7 @@ COLUMNS: dict[str, pa.DataType] = {
     "tokens_per_s": FLT, "memory_bytes": INT,
 }
 SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMNS.items()] + [pa.field("extra", pa.map_(STR, FLT))])
-ATTEMPT = ["run_id", "job_id", "restart_count"]
+ATTEMPT = ["run_id", "job_id", "attempt"]
 
 
 def resolve_dir(results_dir: str | Path) -> str | Path:
@@ -60,7 +60,7 @@ def table(rows: list[dict[str, tp.Any]]) -> pa.Table:
 def write_batch(results_dir: str | Path, rows: list[dict[str, tp.Any]], seq: int) -> Path:
     """One attempt's batch of step rows as one file (temporary name, synced, renamed)."""
     first = rows[0]
-    path = steps_batch(results_dir, first["run_id"], first["job_id"], first["restart_count"], seq)
+    path = steps_batch(results_dir, first["run_id"], first["job_id"], first["attempt"], seq)
     with atomic_path(path) as tmp:
         pq.write_table(table(rows), tmp)
     return path
@@ -105,12 +105,12 @@ def stitch(df: pd.DataFrame) -> pd.DataFrame:
         rows = df[df["run_id"] == run_id]
         # walking backwards, each attempt keeps the steps below the earliest start seen after it
         limit: int | None = None
-        for attempt in reversed(list(attempts.itertuples(index=False))):
-            mine = rows[(rows["job_id"] == attempt.job_id) & (rows["restart_count"] == attempt.restart_count)]
+        for start in reversed(list(attempts.itertuples(index=False))):
+            mine = rows[(rows["job_id"] == start.job_id) & (rows["attempt"] == start.attempt)]
             if limit is not None:
                 mine = mine[mine["step"] < limit]
             keep.append(mine.drop_duplicates("step", keep="last"))
-            first = int(tp.cast(tp.Any, attempt).first_step)
+            first = int(tp.cast(tp.Any, start).first_step)
             limit = first if limit is None else min(limit, first)
     return pd.concat(keep).sort_values(["run_id", "step"], kind="stable").reset_index(drop=True)
 

@@ -49,17 +49,17 @@ class Counter(submitit.helpers.Checkpointable):
     def __init__(self) -> None:
         self.done = 0
         self.resumed_from: int | None = None
-        self.restarts: list[str] = []
+        self.requeues: list[str] = []
 
     def __call__(self, total: int, step_s: float, progress: str) -> dict[str, tp.Any]:
-        self.restarts.append(os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPCRUN_RESTART_COUNT", "0")))
+        self.requeues.append(os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPCRUN_REQUEUES", "0")))
         if self.done and self.resumed_from is None:
             self.resumed_from = self.done
         while self.done < total:
             time.sleep(step_s)
             self.done += 1
             Path(progress).write_text(str(self.done))
-        return {"done": self.done, "resumed_from": self.resumed_from, "restarts": self.restarts}
+        return {"done": self.done, "resumed_from": self.resumed_from, "requeues": self.requeues}
 
 
 class CollectiveCounter(submitit.helpers.Checkpointable):
@@ -69,13 +69,13 @@ class CollectiveCounter(submitit.helpers.Checkpointable):
 
     def __init__(self) -> None:
         self.done = 0
-        self.restarts: list[str] = []
+        self.requeues: list[str] = []
 
     def __call__(self, total: int, pause_s: float, progress: str) -> dict[str, tp.Any]:
         import torch
         import torch.distributed as dist
 
-        self.restarts.append(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        self.requeues.append(os.environ.get("SLURM_RESTART_COUNT", "0"))
         dist.init_process_group("gloo")  # hpcrun's rendezvous: MASTER_ADDR/PORT, RANK, WORLD_SIZE
         rank = dist.get_rank()
         while self.done < total:
@@ -86,4 +86,4 @@ class CollectiveCounter(submitit.helpers.Checkpointable):
                 Path(progress).write_text(str(self.done))
         world = dist.get_world_size()
         dist.destroy_process_group()
-        return {"done": self.done, "world": world, "restarts": self.restarts}
+        return {"done": self.done, "world": world, "requeues": self.requeues}

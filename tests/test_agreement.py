@@ -81,7 +81,7 @@ def frames(
     )
     steps = list(steps)
     rows = [
-        {"run_id": run, "step": s, "restart_count": 0, "loss": curve(s)}
+        {"run_id": run, "step": s, "attempt": 0, "loss": curve(s)}
         for run, curve in (("ddp", reference), ("fsdp", other))
         for s in steps
     ]
@@ -190,7 +190,7 @@ def sweep(tmp: Path, other: tp.Callable[[int], float]) -> Path:
                 "step_time_p50_s": 0.1,
                 "step_time_p95_s": 0.15,
                 "job_id": str(i),
-                "restart_count": 0,
+                "attempt": 0,
                 "start_time": START,
             },
         )
@@ -202,7 +202,7 @@ def sweep(tmp: Path, other: tp.Callable[[int], float]) -> Path:
                 "stage": "main",
                 "strategy": strategy,
                 "job_id": str(i),
-                "restart_count": 0,
+                "attempt": 0,
                 "step": step,
                 "time": START + dt.timedelta(seconds=step),
                 "loss": curve(step),

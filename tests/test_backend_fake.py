@@ -104,7 +104,7 @@ def test_status_is_one_sacct_call(tools: Path, tmp_path: Path) -> None:
     calls = Path(tmp_path / "calls.log").read_text().splitlines()
     assert len(calls) == 1 and "-j 7,8,9" in calls[0]
     assert result["run7"].state == "COMPLETED" and result["run7"].elapsed_s == 61
-    assert result["run8"].state == "RUNNING" and result["run8"].restarts == 1
+    assert result["run8"].state == "RUNNING" and result["run8"].requeues == 1
     assert result["run9"].state == "PENDING" and result["run9"].reason == "Priority"
 
 
@@ -115,11 +115,11 @@ def test_status_falls_back_without_accounting(tools: Path, tmp_path: Path) -> No
         squeue='echo "squeue $*" >>"$FAKE_LOG"; echo "12|RUNNING|node1|1:05|None"',
     )
     running = _run_dir(tmp_path, "running", "12")
-    finished = _run_dir(tmp_path, "finished", "11", {"status": "completed", "restart_count": 2})
+    finished = _run_dir(tmp_path, "finished", "11", {"status": "completed", "attempt": 2})
     gone = _run_dir(tmp_path, "gone", "10")
     result = {s.run_id: s for s in statuses([running, finished, gone])}
     assert result["running"].state == "RUNNING" and result["running"].elapsed_s == 65
-    assert result["finished"].state == "COMPLETED" and result["finished"].restarts == 2
+    assert result["finished"].state == "COMPLETED" and result["finished"].requeues == 2
     assert result["gone"].state == "LEFT_QUEUE"
     assert all("accounting disabled" in s.source for s in result.values())
     out = cli("status", "--site", str(site_copy(tmp_path, "testcluster")))

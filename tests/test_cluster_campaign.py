@@ -352,7 +352,7 @@ def test_four_nodes_train_and_resume_bit_identical(base: Path, tmp_path_factory:
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     final = wait_done(run_dir, timeout=300)
-    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert final["status"] == "completed" and final["attempt"] == 1, final
     assert records(job) == ["REQUEUED", "COMPLETED"], records(job)
     table = rows(base, run_dir)
     assert list(table.world_size) == [4, 4] and set(table.nodes) == {4}, table[["world_size", "nodes", "node_list"]]

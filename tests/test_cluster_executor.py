@@ -87,7 +87,7 @@ def test_a_checkpointable_call_resumes_from_its_checkpoint_after_one_requeue(tmp
     result = job.result()
     assert result["done"] == 30
     assert result["resumed_from"] is not None and 4 <= result["resumed_from"] < 30, result
-    assert result["restarts"] == ["0", "1"], result  # SLURM_RESTART_COUNT of each attempt
+    assert result["requeues"] == ["0", "1"], result  # SLURM_RESTART_COUNT of each attempt
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["REQUEUED", "COMPLETED"]
     assert time.monotonic() - started < 120
@@ -135,7 +135,7 @@ def test_a_function_job_stopped_mid_collective_requeues(tmp_path: Path) -> None:
     job = ex.submit(functions.CollectiveCounter(), 60, 0.3, str(progress))
     started = stop_after_three_steps(job, progress, 180)
     results = job.results()  # one per rank
-    assert [(r["done"], r["world"], r["restarts"]) for r in results] == [(60, 4, ["0", "1"])] * 4, results
+    assert [(r["done"], r["world"], r["requeues"]) for r in results] == [(60, 4, ["0", "1"])] * 4, results
     wait_for(lambda: records(job.job_id)[-1:] == ["COMPLETED"], "sacct's record of the job", 60)
     assert records(job.job_id) == ["REQUEUED", "COMPLETED"]
     assert time.monotonic() - started < 180  # the requeue hold, a start-up and the 56 calls left (<= 55 s)

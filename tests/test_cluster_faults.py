@@ -76,13 +76,13 @@ def test_same_crash_twice_stops_before_the_cap(tmp_path: Path) -> None:
         checkpoint={**CHECKPOINT, "max_requeues": 4},
     )
     final = wait_done(run_dir, timeout=480)  # two attempts' start-ups on a loaded CI machine: seen > 240 s
-    assert final["status"] == "failed" and final["restart_count"] == 1, final
+    assert final["status"] == "failed" and final["attempt"] == 1, final
     assert "the same failure as the previous attempt" in final["reason"], final["reason"]
     assert "RuntimeError: deliberate bug at step 7" in final["reason"] and "rank 1" in final["reason"], final["reason"]
     assert records(job) == ["FAILED"], records(job)  # the second attempt was inside the job
     table = rows(tmp_path, run_dir)
-    assert sorted(table.restart_count) == [0, 1] and set(table.status) == {"failed"}, table[
-        ["restart_count", "status", "reason"]
+    assert sorted(table.attempt) == [0, 1] and set(table.status) == {"failed"}, table[
+        ["attempt", "status", "reason"]
     ]
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     assert "same failure" in shown, shown

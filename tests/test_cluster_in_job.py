@@ -82,7 +82,7 @@ def attempt_starts(tmp: Path, run_dir: Path) -> dict[int, tuple[int, float]]:
     from hpcrun.steps import load_steps
 
     steps = load_steps(tmp / "results", run_id=run_dir.name)
-    first = steps.sort_values("time").groupby("restart_count").first()
+    first = steps.sort_values("time").groupby("attempt").first()
     return {int(a): (int(r["step"]), r["time"].timestamp()) for a, r in first.iterrows()}
 
 
@@ -172,16 +172,16 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
         holder.wait()
     released = time.time()
     final = wait_done(run_dir, timeout=240)
-    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert final["status"] == "completed" and final["attempt"] == 1, final
     assert final.get("restarts_in_job") == 1, final
     assert records(job) == ["COMPLETED"], records(job)  # one job attempt: never back through the queue
     table = rows(tmp_path, run_dir)
-    assert len(table) == 2 and len(table[table.restart_count == 0]) == 1, table[["restart_count", "status"]]
-    failed = table[table.restart_count == 0].iloc[0]
+    assert len(table) == 2 and len(table[table.attempt == 0]) == 1, table[["attempt", "status"]]
+    failed = table[table.attempt == 0].iloc[0]
     assert failed["status"] == "failed" and f"rank 3 on {node}" in failed["reason"], failed["reason"]
     assert "SIGKILL" in failed["reason"] and "restarting in the job (1 of 5)" in failed["reason"], failed["reason"]
     first_step, stepped = attempt_starts(tmp_path, run_dir)[1]
-    restarted = table[table.restart_count == 1].iloc[0]
+    restarted = table[table.attempt == 1].iloc[0]
     # tier 0: the ranks that outlived rank 3 kept their last completed step; at most the step rank 3
     # died in is trained again (hpcrun.runtime.snapshotsurvivor)
     assert restarted["resumed_from"] == "survivor" and restarted["recomputed_steps"] <= 1, restarted
@@ -207,7 +207,7 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     lines = shown.splitlines()
     at = next(i for i, text in enumerate(lines) if text.startswith("RUN "))
     columns = dict(zip(lines[at].split(), lines[at + 1].split()))
-    assert (columns["RESTARTS"], columns["IN-JOB"]) == ("0", "1"), shown
+    assert (columns["REQUEUES"], columns["IN-JOB"]) == ("0", "1"), shown
     # and, for one run, how it spaces its saves: the recipe's disk interval, snapshots by time
     assert any(text.startswith("  checkpoints every 10 steps (the recipe's)") for text in lines[at + 2:]), shown
     assert any(text.startswith("  snapshots every ") and "MTBF" in text for text in lines[at + 2:]), shown
@@ -246,7 +246,7 @@ def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -
     )
     assert fire <= 5 + 0.5 + 3, f"rank 0 saw the stop {fire:.1f} s after it"
     assert max(to_failure, to_restart) <= SHELL_GAP_S, (to_failure, to_restart)
-    table = rows(tmp_path, run_dir).sort_values("restart_count").to_dict("records")
+    table = rows(tmp_path, run_dir).sort_values("attempt").to_dict("records")
     failed = [r for r in table if r["status"] == "failed"]
     assert len(failed) == 1 and silent in failed[0]["reason"], failed
     assert "restarting in the job" in failed[0]["reason"], failed
@@ -294,9 +294,9 @@ def test_restarts_in_job_exhausted_fall_back_to_a_requeue(tmp_path: Path, baseli
     assert len(starts) == 2, f"the job started again before its nodes were looked at: {starts}"
     assert not any(left.values()), f"snapshots left after the requeue: {left} (held before the fault: {held})"
     final = wait_done(run_dir, timeout=400)
-    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert final["status"] == "completed" and final["attempt"] == 2, final
     assert records(job) == ["REQUEUED", "COMPLETED"], records(job)
-    reasons = rows(tmp_path, run_dir).sort_values("restart_count")["reason"].tolist()
+    reasons = rows(tmp_path, run_dir).sort_values("attempt")["reason"].tolist()
     assert "restarting in the job" in reasons[0] and "requeue" in reasons[1], reasons
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
@@ -342,7 +342,7 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     # recorded and excluded: the partition's size from the batch script's tool loop (no scontrol in the container)
     assert second in (state(run_dir).get("failed_nodes") or []), state(run_dir)
     assert state(run_dir).get("excluded_nodes") == [second], state(run_dir)
-    failed = rows(tmp_path, run_dir).sort_values("restart_count").iloc[0]
+    failed = rows(tmp_path, run_dir).sort_values("attempt").iloc[0]
     assert f"node lost: {second}" in failed["reason"], failed["reason"]
     # detected by its peers: the killed processes' connections close (gloo raises at once), else rank
     # 0, after rank 3 in the pulse ring, hears no pulse for peer_timeout_s (5 s), looking twice a
@@ -356,7 +356,7 @@ def test_lost_node_is_replaced_by_a_spare(tmp_path: Path, baseline: Path) -> Non
     assert seen - off <= 5 + 0.5 + 3, f"the first peer saw the lost node {seen - off:.1f} s after"
     # from the state the first node's ranks kept when they saw the loss, the lost node's ranks' files
     # sent to the spare: at most the interrupted step trained again
-    restarted = rows(tmp_path, run_dir).sort_values("restart_count").iloc[1]
+    restarted = rows(tmp_path, run_dir).sort_values("attempt").iloc[1]
     assert restarted["resumed_from"] == "survivor" and restarted["recomputed_steps"] <= 1, restarted
     log = next((run_dir / "logs").glob("*_0_log.err")).read_text()
     resumed = re.search(r"resumed from survivor snapshot \(step (\d+)\)", log)
@@ -409,5 +409,5 @@ def test_every_rank_killed_resumes_from_the_memory_snapshot(
     assert int(resumed[2]) >= complete and reached - int(resumed[2]) <= memory_interval, (reached, complete, resumed[0])
     assert 10 < int(resumed[2]) < 20, resumed[0]  # newer than the disk checkpoint
     table = rows(tmp_path, run_dir)
-    assert table[table.restart_count == 1].iloc[0]["resumed_from"] == "memory", table
+    assert table[table.attempt == 1].iloc[0]["resumed_from"] == "memory", table
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)

@@ -118,7 +118,7 @@ def interrupt_twice(
         .split(";")[0]
     )
     final = wait_done(run_dir, timeout=600)
-    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert final["status"] == "completed" and final["attempt"] == 2, final
     # one requeue per signal: by hpcrun after USR2, by SLURM at the preemption; never also by Lightning
     assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)
     assert preemptor_ran(urgent), records(urgent)
@@ -127,7 +127,7 @@ def interrupt_twice(
     for before, after in zip(attempts, attempts[1:]):
         assert after[0] == before[-1] + 1, attempts  # resumed where the stopped attempt saved, not from 0
     assert attempts[0][0] == 1 and attempts[-1][-1] == STEPS, attempts
-    table = rows(tmp_path, run_dir).sort_values("restart_count")
+    table = rows(tmp_path, run_dir).sort_values("attempt")
     assert list(table["status"]) == ["requeued", "requeued", "completed"], table[["status", "reason"]]
     assert list(table["world_size"]) == [2 * ranks_per_node] * 3 and table["final_loss"].notna().all()
     assert list(table["last_step"]) == [a[-1] for a in attempts], (table["last_step"], attempts)
@@ -192,5 +192,5 @@ def test_lightning_array_requeues_only_the_signalled_task(tmp_path: Path) -> Non
     assert records(second) == ["COMPLETED"], records(second)
     first_attempts = reported(by_task[first], first)
     assert len(first_attempts) == 2 and first_attempts[1][0] == first_attempts[0][-1] + 1, first_attempts
-    assert state(by_task[second])["restart_count"] == 0
+    assert state(by_task[second])["attempt"] == 0
     print(f"duration {time.monotonic() - began:.0f} s")

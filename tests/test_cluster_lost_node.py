@@ -62,7 +62,7 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baseline: Path) -> N
         final = wait_done(run_dir, timeout=240)
     finally:
         faults.power_on(node)
-    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert final["status"] == "completed" and final["attempt"] == 2, final
     assert final["failed_nodes"] == [node] and final["excluded_nodes"] == [node], final
     assert records(job)[:2] == ["NODE_FAIL", "REQUEUED"], records(job)
     out = subprocess.run(
@@ -70,7 +70,7 @@ def test_lost_node_is_recorded_and_excluded(tmp_path: Path, baseline: Path) -> N
     ).stdout.split()
     assert out[-1] == other, out  # the last attempt, with the node back, still not on it
     table = rows(tmp_path, run_dir)
-    lost = table[table.restart_count == 0]
+    lost = table[table.attempt == 0]
     assert len(lost) == 1 and f"node lost (NODE_FAIL): {node}" in lost.iloc[0]["reason"], lost[["status", "reason"]]
     shown = hpcrun("status", "--site", str(site_copy(tmp_path, "testcluster")), run_dir.name).stdout
     assert f"excluding {node}" in shown, shown

@@ -187,7 +187,7 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
         check=True,
     ).stdout.strip()
     final = wait_done(run_dir)
-    assert final["status"] == "completed" and final["restart_count"] == 2, final
+    assert final["status"] == "completed" and final["attempt"] == 2, final
     assert records(job) == ["REQUEUED", "PREEMPTED", "COMPLETED"], records(job)  # one requeue per interruption
     ended = batch_ends(job, 4)
     # the shell exits by itself once its step has ended, not by KillWait's SIGKILL, and soon: its
@@ -214,11 +214,11 @@ def test_usr2_to_the_batch_shell_requeues_once_and_completes_bit_identical(share
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
     deadline = time.time() + 420
-    said = None  # what state.json first says of the stopped attempt, and SLURM's restart count then
+    said = None  # what state.json first says of the stopped attempt, and SLURM's requeue count then
     while time.time() < deadline:
         ended = records(job)[-1:] in (["COMPLETED"], ["FAILED"], ["CANCELLED"])
         now = state(run_dir) if (run_dir / "state.json").exists() else {}
-        if said is None and now.get("restart_count") == 0 and now.get("status") in ("requeued", "stopped", "failed"):
+        if said is None and now.get("attempt") == 0 and now.get("status") in ("requeued", "stopped", "failed"):
             shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
             said = (now["status"], re.search(r"Restarts=(\d+)", shown)[1] if "Restarts=" in shown else shown)
         if ended:  # the runs' own word is written before their step, and so the job, ends
@@ -228,7 +228,7 @@ def test_usr2_to_the_batch_shell_requeues_once_and_completes_bit_identical(share
     # state.json agrees with SLURM: `requeued` once SLURM counts the requeue
     assert said is not None and said == ("requeued", "1"), said
     final = state(run_dir)
-    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert final["status"] == "completed" and final["attempt"] == 1, final
     assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline)
 
 

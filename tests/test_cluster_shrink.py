@@ -60,7 +60,7 @@ def test_a_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path, baseline: P
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
     # one job start: SLURM records dropping the lost node as RESIZING; never NODE_FAIL or REQUEUED
     assert records(job) in (["RESIZING", "COMPLETED"], ["COMPLETED"]), records(job)
-    table = rows(tmp_path, run_dir).sort_values("restart_count")
+    table = rows(tmp_path, run_dir).sort_values("attempt")
     failed, shrunk = table.iloc[0], table.iloc[1]
     assert f"node lost: {third}" in failed["reason"] and "on 2 of 3 nodes" in failed["reason"], failed["reason"]
     assert (failed["world_size"], shrunk["world_size"], shrunk["nodes"]) == (6, 4, 2), table[["world_size", "nodes"]]

@@ -55,12 +55,12 @@ def test_slow_rank_is_named_and_its_node_excluded(tmp_path: Path, baseline: Path
     assert not (run_dir / "weights.sha256").exists(), "the first attempt ended before it could be requeued"
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     final = wait_done(run_dir, timeout=240)
-    assert final["status"] == "completed" and final["restart_count"] == 1, final
+    assert final["status"] == "completed" and final["attempt"] == 1, final
     out = subprocess.run(
         ["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "NodeList"], capture_output=True, text=True
     ).stdout.split()
     assert out == [node, other], out
-    first = rows(tmp_path, run_dir).query("restart_count == 0").iloc[0]
+    first = rows(tmp_path, run_dir).query("attempt == 0").iloc[0]
     assert first["status"] == "requeued" and str(first["slow_ranks"]).startswith(f"rank 1 on {node} ("), first[
         ["status", "slow_ranks"]
     ]

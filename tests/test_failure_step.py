@@ -163,7 +163,7 @@ def test_the_failed_row_says_how_long_detection_took(tmp_path: Path, monkeypatch
     failure_step_env(monkeypatch, tmp_path, 1)
     heartbeat.write(run_dir, JOB, 1, 0, 59, now - 30)
     record_failed_step(run_dir, 137, "srun: error: node1: task 0: Killed\nsrun: error: node2: task 1: Killed\n")
-    second = load(spec.results_dir).set_index("restart_count").loc[1]
+    second = load(spec.results_dir).set_index("attempt").loc[1]
     recorded = second["end_time"].timestamp()
     assert second["detect_s"] == pytest.approx(recorded - (now - 30))
     assert run_dir.state()["failure"]["detected"] == pytest.approx(recorded)

@@ -63,7 +63,7 @@ def ended_local_run(tmp_path: Path, status: str) -> Path:
         json.dumps([{"job_id": str(controller.pid), "scheduler": "local", "submitted": 1.0}])
     )
     (run_dir / "state.json").write_text(
-        json.dumps({"status": status, "job_id": str(controller.pid), "restart_count": 0})
+        json.dumps({"status": status, "job_id": str(controller.pid), "attempt": 0})
     )
     for rank in range(2):
         (run_dir / "logs" / f"{controller.pid}_{rank}_log.out").write_text(f"rank {rank} trained\n")

@@ -37,12 +37,12 @@ def attempts(run_id: str = "r-faults") -> list[dict[str, object]]:
     which 10 s restarting, steps 220-300 in [400, 500]. Wall 500 s, training 100 + 120 + 80."""
     plan = {"run_id": run_id, "job_id": "7", "step_time_p50_s": 1.0, "strategy": "ddp", "nodes": 1}
     return [
-        {**plan, "restart_count": 0, "start_time": at(0), "end_time": at(130), "status": "failed",
+        {**plan, "attempt": 0, "start_time": at(0), "end_time": at(130), "status": "failed",
          "first_step": 0, "last_step": 100, "detect_s": 12.0},
-        {**plan, "restart_count": 1, "start_time": at(135), "end_time": at(300), "status": "failed",
+        {**plan, "attempt": 1, "start_time": at(135), "end_time": at(300), "status": "failed",
          "first_step": 92, "last_step": 220, "detect_s": 5.0, "restart_s": 20.0, "recomputed_steps": 8,
          "recompute_s": 8.0},
-        {**plan, "restart_count": 2, "start_time": at(400), "end_time": at(500), "status": "completed",
+        {**plan, "attempt": 2, "start_time": at(400), "end_time": at(500), "status": "completed",
          "first_step": 220, "last_step": 300, "restart_s": 10.0, "recomputed_steps": 0, "recompute_s": 0.0},
     ]
 
@@ -127,7 +127,7 @@ def test_status_of_one_run_prints_its_goodput(tmp_path: Path) -> None:
     (run_dir / "jobs.json").write_text(json.dumps([{"job_id": str(gone.pid), "scheduler": "local",
                                                      "submitted": time.time() - 600}]))
     (run_dir / "state.json").write_text(json.dumps({"status": "completed", "job_id": str(gone.pid),
-                                                    "restart_count": 2}))
+                                                    "attempt": 2}))
     for row in [*attempts(), *attempts("r-other")]:
         write_attempt(results, row)
     out = cli("status", str(run_dir))

@@ -63,7 +63,7 @@ def test_status_and_counts_read_the_table(tools: Path, tmp_path: Path) -> None: 
     fake_tools(tools, sacct=SACCT)
     dirs = [run_dir(tmp_path, f"run{j}", str(j)) for j in range(1, 6)]
     # the batch script ended well but the attempt stopped and was not requeued: resumable
-    dirs.append(run_dir(tmp_path, "run6", "6", {"status": "stopped", "restart_count": 0}))
+    dirs.append(run_dir(tmp_path, "run6", "6", {"status": "stopped", "attempt": 0}))
     result = {s.run_id: s for s in statuses(dirs)}
     assert [result[f"run{j}"].done for j in range(1, 7)] == [False, False, True, False, True, True]
     assert result["run6"].state == "RESUMABLE"

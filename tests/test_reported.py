@@ -17,7 +17,7 @@ IDS = {
     "stage": None,
     "strategy": "ddp",
     "job_id": "7",
-    "restart_count": 1,
+    "attempt": 1,
 }
 
 

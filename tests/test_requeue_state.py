@@ -1,6 +1,6 @@
 """state.json claims a requeue only once SLURM has made it (hpcrun.runtime.requeue.requeue and
 settle): a stop or a failure recorded as `requeueing` becomes `requeued` after `scontrol requeue`
-succeeded or SLURM's restart count shows its own requeue (preemption), else `stopped` (or the
+succeeded or SLURM's requeue count shows its own requeue (preemption), else `stopped` (or the
 failure's reason) with why not. `scontrol` is a stub at the process boundary (its answers only)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunDir:
 
 
 def attempt(run_dir: RunDir, status: str, reason: str, number: int = 0) -> None:
-    write_json(run_dir.state_file, {"status": status, "reason": reason, "job_id": "55", "restart_count": number,
+    write_json(run_dir.state_file, {"status": status, "reason": reason, "job_id": "55", "attempt": number,
                                     "excluded_nodes": []})
 
 

@@ -104,7 +104,7 @@ def _writer(args: tuple[str, int, int]) -> list[str]:
         while ROUNDS is not None and ROUNDS.value < k and time.time() < deadline:
             time.sleep(0.002)  # row k waits for check k: writes and checks interleave
         attempt = uuid.uuid4().hex
-        write_attempt(directory, row(run_id=f"w{index}", attempt_id=attempt, restart_count=k))
+        write_attempt(directory, row(run_id=f"w{index}", attempt_id=attempt, attempt=k))
         if WRITTEN is not None:
             with WRITTEN.get_lock():
                 WRITTEN.value += 1
@@ -208,7 +208,7 @@ def _many_writer(args: tuple[str, int, int]) -> list[str]:
     ids = []
     for k in range(count):
         attempt = uuid.uuid4().hex
-        write_attempt(directory, row(run_id=f"m{index}", attempt_id=attempt, restart_count=k))
+        write_attempt(directory, row(run_id=f"m{index}", attempt_id=attempt, attempt=k))
         ids.append(attempt)
     return ids
 

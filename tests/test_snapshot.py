@@ -65,7 +65,7 @@ def launch(
     for rank in range(world):
         env = {
             **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_RESTART_COUNT": "0",
+            "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_REQUEUES": "0",
             "HPCRUN_ATTEMPT": str(attempt),
             rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
         }
@@ -681,5 +681,5 @@ def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_fact
     weights_off = max(((mine[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
     print(f"\n[shrink] from step {survived}: largest relative loss difference {worst:.2e}, weights {weights_off:.2e}")
     assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
-    row = rows(tmp_path, run_dir).sort_values("restart_count").iloc[-1]
+    row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
     assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "survivor", survived), row

@@ -37,7 +37,7 @@ def test_a_snapshot_failing_after_the_last_step_is_counted_in_the_line_and_the_r
 
 def test_result_files_written_before_snapshot_failures_load_without_it(tmp_path: Path) -> None:
     """An older hpcrun's file has no `snapshot_failures` column: it loads, the column null there."""
-    base = {"job_id": "1", "restart_count": 0, "status": "completed"}
+    base = {"job_id": "1", "attempt": 0, "status": "completed"}
     newer = results.write_attempt(tmp_path, {**base, "run_id": "newer", "snapshot_failures": 2})
     older = results.write_attempt(tmp_path, {**base, "run_id": "older", "snapshot_failures": 0})
     pq.write_table(pq.read_table(older).drop_columns(["snapshot_failures"]), older)

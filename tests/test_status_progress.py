@@ -38,7 +38,7 @@ TRAINING = {"lr": 0.003, "micro_batch": 2, "seq_len": 32}
 def progress_file(run_dir: Path, **fields: object) -> None:
     value = {
         "step": 40, "total": 100, "loss": 3.25, "tokens_per_s": 12345.0, "step_time_s": 0.5, "eta_s": 600.0,
-        "updated": time.time(), "job_id": "1", "restart_count": 0, "checkpoint_step": 35,
+        "updated": time.time(), "job_id": "1", "attempt": 0, "checkpoint_step": 35,
     }
     value.update(fields)
     (run_dir / "progress.json").write_text(json.dumps(value))
@@ -63,15 +63,15 @@ def sleeper() -> tp.Iterator[int]:
 
 def test_status_of_a_running_local_run_reads_its_progress(tmp_path: Path, sleeper: int) -> None:
     run_dir = local_run(tmp_path / "runs", "r-live", sleeper, time.time() - 125)
-    progress_file(run_dir, job_id=str(sleeper), restart_count=2)
+    progress_file(run_dir, job_id=str(sleeper), attempt=2)
     out = cli("status", str(run_dir))
     assert out.exit_code == 0, out.output
     header, line = out.stdout.splitlines()
-    assert header.split()[5:11] == ["RESTARTS", "IN-JOB", "STEP", "%", "TOK/S", "ETA"], header
+    assert header.split()[5:11] == ["REQUEUES", "IN-JOB", "STEP", "%", "TOK/S", "ETA"], header
     fields = line.split()
     assert fields[:3] == ["r-live", str(sleeper), "RUNNING"]
     assert fields[4] in ("2:05", "2:06", "2:07")  # ELAPSED of a local run: from jobs.json's submit time
-    assert fields[5:7] == ["2", "0"]  # restarts: the running attempt's, from its progress; none in the job
+    assert fields[5:7] == ["2", "0"]  # requeues: the running attempt's, from its progress; none in the job
     match = LIVE.search(line)
     assert match and (match["step"], match["total"], match["percent"], match["rate"]) == ("40", "100", "40", "12.3k"), (
         line

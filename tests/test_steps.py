@@ -34,7 +34,7 @@ def rows(run_id: str, job_id: str, first: int, last: int, start_s: float, **ids:
         "stage": None,
         "strategy": "ddp",
         "job_id": job_id,
-        "restart_count": 0,
+        "attempt": 0,
         **ids,
     }
     return [

@@ -142,7 +142,7 @@ def results(
         "step_time_p50_s",
         "peak_memory_bytes",
         "final_loss",
-        "restart_count",
+        "attempt",
     ]
     _emit(df[columns] if fmt in ("table", "markdown") else df, fmt)
 

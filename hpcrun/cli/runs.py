@@ -53,7 +53,7 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
     width = max(24, *(len(r.run_id) for r in rows))
     now = time.time()
     lines = [
-        f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'RESTARTS':>8} {'IN-JOB':>6} "
+        f"{'RUN':{width}} {'JOB':>10} {'STATE':12} {'NODES':12} {'ELAPSED':>8} {'REQUEUES':>8} {'IN-JOB':>6} "
         f"{'STEP':>13} {'%':>4} {'TOK/S':>6} {'ETA':>8} {'CKPT':>6}  REASON"
     ]
     for r in rows:
@@ -65,7 +65,7 @@ def status(site_name: str, run: str | None, wait: bool, timeout: float | None) -
         ckpt = "" if p is None or p.checkpoint_step is None else str(p.checkpoint_step)
         scheduled = (
             f"{r.run_id:{width}} {r.job_id:>10} {r.state:12} {r.nodes:12} {duration(r.elapsed_s):>8} "
-            f"{r.restarts:>8} {r.in_job:>6}"
+            f"{r.requeues:>8} {r.in_job:>6}"
         )
         lines.append(f"{scheduled} {step:>13} {percent:>4} {tokens:>6} {eta:>8} {ckpt:>6}  {r.reason}".rstrip())
     if len(rows) == 1 and rows[0].progress:  # one run: how its saves are spaced, and why

@@ -70,7 +70,7 @@ def summary_table(done: pd.DataFrame) -> pd.DataFrame:
         step_time_p95_s=("step_time_p95_s", "median"),
         peak_memory_bytes=("peak_memory_bytes", "max"),
         final_loss=("final_loss", "mean"),
-        restarts=("restart_count", "max"),
+        attempt=("attempt", "max"),  # the highest attempt number that completed
     ).reset_index()
     base = table.sort_values("nodes").groupby("label")["tokens_per_s_per_gpu"].first()
     first = {str(k): v for k, v in base.items()}
@@ -242,10 +242,10 @@ def _provenance(done: pd.DataFrame) -> str:
     ]
     head = _table(["", "value"], [[html.escape(name), values(col)] for name, col in facts], left=2)
     runs = [
-        [_e(r.run_id), _e(r.label), _e(r.nodes), _e(r.job_id), _e(r.node_list), _e(r.restart_count), _e(r.start_time)]
+        [_e(r.run_id), _e(r.label), _e(r.nodes), _e(r.job_id), _e(r.node_list), _e(r.attempt), _e(r.start_time)]
         for r in done.sort_values(["label", "nodes"]).itertuples()
     ]
-    return head + _table(["run", "strategy", "nodes", "job", "node list", "restarts", "started"], runs, left=5)
+    return head + _table(["run", "strategy", "nodes", "job", "node list", "attempt", "started"], runs, left=5)
 
 
 def render(
@@ -280,7 +280,7 @@ def render(
             units.milliseconds(r.step_time_p95_s),
             units.gigabytes(r.peak_memory_bytes),
             _e(units.plain(r.final_loss, "{:.4f}")),
-            _e(r.restarts),
+            _e(r.attempt),
         ]
         for r in table.itertuples()
     ]
@@ -291,7 +291,7 @@ def render(
     loss_html = "".join(_img(f) for f in loss) or "<p>No per-step losses were recorded for these runs.</p>"
     header = [
         "strategy", "nodes", "ranks", "runs", "tokens/s", "wall-clock tokens/s", "lost to saves/snapshots",
-        "tokens/s per GPU", "MFU", "scaling eff.", "step p50", "step p95", "peak memory", "final loss", "restarts",
+        "tokens/s per GPU", "MFU", "scaling eff.", "step p50", "step p95", "peak memory", "final loss", "attempt (max)",
     ]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>

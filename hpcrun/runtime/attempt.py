@@ -164,7 +164,7 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool,
     job_id, attempt = ctx.env.job_id, ctx.env.attempt
     # a requeue is `requeued` in state.json only once SLURM has made it (hpcrun.runtime.requeue.settle)
     recorded = requeue.REQUEUEING if status == "requeued" else status
-    said = {"status": recorded, "reason": reason, "job_id": job_id, "restart_count": attempt, "step": row["last_step"]}
+    said = {"status": recorded, "reason": reason, "job_id": job_id, "attempt": attempt, "step": row["last_step"]}
     from hpcrun.results import write_attempt
 
     wrote = False
@@ -172,7 +172,7 @@ def finish(ctx: Context, status: str, reason: str | None, collective: bool,
     def merge(current: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
         # one failed rank fails the attempt, whatever the ranks that finished write after it
         nonlocal wrote
-        if (current.get("job_id"), current.get("restart_count")) == (job_id, attempt) and current.get(
+        if (current.get("job_id"), current.get("attempt")) == (job_id, attempt) and current.get(
             "status"
         ) == "failed":
             return None

@@ -21,8 +21,8 @@ class DistEnv:
     backend: str
     attempt: int
     """hpcrun's attempt number in this job: every start of the training step, by a requeue or a
-    restart inside the job (the batch script's HPCRUN_ATTEMPT); names the attempt's files and rows.
-    On disk (state.json, the results and steps tables, progress.json) it is `restart_count`."""
+    restart inside the job (the batch script's HPCRUN_ATTEMPT); names the attempt's files and rows, and
+    is `attempt` on disk too (state.json, the results and steps tables, progress.json)."""
     job_id: str
     node_list: str
     allocation_id: str  # the scheduler's own id of this allocation (SLURM_JOB_ID, unique per array task)

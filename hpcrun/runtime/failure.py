@@ -28,7 +28,7 @@ from hpcrun.errors import HpcrunError
 from hpcrun.goodput import detect_s
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import FunctionJob
-from hpcrun.rundir import CorruptStateError, RunDir, read_json, write_json
+from hpcrun.rundir import CorruptStateError, RunDir, current_names, read_json, write_json
 from hpcrun.runtime import heartbeat
 from hpcrun.runtime.cause import Failure, first_failure, step_message
 from hpcrun.runtime.nodes import clear_node_dirs, exclusions, partition_size, probed_nodes, restart_nodes
@@ -78,7 +78,7 @@ def run_long(state: dict[str, tp.Any], job_id: str | None = None) -> dict[str, t
 
 def rank_row(record: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """The row a failing rank wrote into its exit record, with its times as datetimes again."""
-    row = dict(record.get("row") or {})
+    row = current_names(dict(record.get("row") or {}))  # an exit record of an older hpcrun's rank
     for key in ("start_time", "end_time"):
         if isinstance(row.get(key), str):
             row[key] = dt.datetime.fromisoformat(row[key])
@@ -129,7 +129,7 @@ def _said(path: Path) -> dict[str, tp.Any]:
         value = read_json(path, {})
     except CorruptStateError:
         return {}
-    return value if isinstance(value, dict) else {}
+    return current_names(value) if isinstance(value, dict) else {}
 
 
 def reached(
@@ -146,7 +146,7 @@ def reached(
     if isinstance(step, int) and step >= 0:  # the index of its last completed step; -1: none yet
         steps.append(step + 1)
     progress = _said(run_dir.progress)
-    if (progress.get("job_id"), progress.get("restart_count")) == (job_id, attempt) and isinstance(
+    if (progress.get("job_id"), progress.get("attempt")) == (job_id, attempt) and isinstance(
         progress.get("step"), int
     ):
         steps.append(int(progress["step"]))
@@ -255,11 +255,11 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
         # decided under state.json's lock, against what is there now
-        if (state.get("job_id"), state.get("restart_count")) == (job_id, attempt):
+        if (state.get("job_id"), state.get("attempt")) == (job_id, attempt):
             decided["requeue"] = state.get("status") in (REQUEUEING, "requeued")  # rank 0 said so, then was killed
             return None
         previous = (
-            state.get("failure") if (state.get("job_id"), state.get("restart_count")) == (job_id, attempt - 1) else None
+            state.get("failure") if (state.get("job_id"), state.get("attempt")) == (job_id, attempt - 1) else None
         )
         reason = failure.describe()
         long = run_long(state, job_id)
@@ -300,7 +300,7 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         row.update(status="failed", reason=reason, end_time=now, detect_s=detect_s(progressed, detected))
         write_attempt(spec.results_dir, row)
         restarts = int(long.get(jobstate.IN_JOB) or 0) + (1 if "restart" in decided else 0)
-        return {**long, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": attempt,
+        return {**long, "status": "failed", "reason": reason, "job_id": job_id, "attempt": attempt,
                 "step": row.get("last_step"), "failure": said_failure, jobstate.IN_JOB: restarts}
 
     run_dir.update_state(merge)

@@ -132,7 +132,7 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, attempt: int, slur
         return None
 
     def said(state: dict[str, tp.Any]) -> bool:
-        return state.get("job_id") == job_id and int(state.get("restart_count", -1)) >= attempt - 1
+        return state.get("job_id") == job_id and int(state.get("attempt", -1)) >= attempt - 1
 
     if said(run_dir.state()):
         return None
@@ -158,7 +158,7 @@ def lost_attempt(run_dir: RunDir, spec: RunSpec, job_id: str, attempt: int, slur
                "end_time": dt.datetime.now(dt.timezone.utc)}
         write_attempt(spec.results_dir, row)  # the row before the state (see attempt.finish)
         wrote = True
-        return {**state, "status": "failed", "reason": reason, "job_id": job_id, "restart_count": attempt - 1,
+        return {**state, "status": "failed", "reason": reason, "job_id": job_id, "attempt": attempt - 1,
                 "failed_nodes": failed, "excluded_nodes": excluded, "failure": None}
 
     from hpcrun.results import write_attempt

@@ -200,7 +200,7 @@ class Reported:
             last.values.get("tokens_per_s"),
             seconds,
             self.ids["job_id"],
-            self.ids["restart_count"],
+            self.ids["attempt"],
             None,
         )
 

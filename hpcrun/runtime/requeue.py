@@ -83,7 +83,7 @@ def settle(run_dir: RunDir | None, job: str, attempt: int, why_not: str | None) 
         return
 
     def merge(state: dict[str, tp.Any]) -> dict[str, tp.Any] | None:
-        if (state.get("job_id"), state.get("restart_count")) != (job, attempt):
+        if (state.get("job_id"), state.get("attempt")) != (job, attempt):
             return None
         reason = state.get("reason") or ""
         if state.get("status") == REQUEUEING:

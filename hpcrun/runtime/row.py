@@ -79,7 +79,7 @@ def plan_row(
         "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "global_batch": global_batch(spec),
         "seq_len": t.seq_len, "activation_checkpointing": int(t.activation_checkpointing), "steps": t.steps,
         "seed": t.seed,
-        "job_id": job_id, "node_list": node_list, "restart_count": attempt,
+        "job_id": job_id, "node_list": node_list, "attempt": attempt,
         "hpcrun_version": __version__, "git_sha": spec.git_sha, "site_hash": spec.site_hash,
         "recipe_hash": _hash(recipe.model_dump_json()),
         "script_hash": _hash(script.read_text()) if script.exists() else None,
@@ -126,7 +126,7 @@ def recovery(ctx: Attempt, last_step: int, step_time_s: float | None) -> dict[st
         state = run_dir.state()
     except CorruptStateError:  # the row is written all the same, without the accounting
         state = {}
-    ours = (state.get("job_id"), state.get("restart_count")) == (env.job_id, env.attempt - 1)
+    ours = (state.get("job_id"), state.get("attempt")) == (env.job_id, env.attempt - 1)
     allocation = timeouts.this_start(run_dir, env.allocation_id, env.attempt)
     return goodput.restart_columns(
         state.get("failure") if ours else None, ctx.measured.unix_time(began), allocation, ctx.start_step,

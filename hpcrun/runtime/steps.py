@@ -63,7 +63,7 @@ def attempt_ids(ctx: Loop) -> dict[str, tp.Any]:
     spec = ctx.spec
     return {
         "run_id": spec.run_id, "sweep_id": spec.sweep_id, "point_id": spec.point_id, "stage": spec.stage,
-        "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "restart_count": ctx.env.attempt,
+        "strategy": spec.strategy.name, "job_id": ctx.env.job_id, "attempt": ctx.env.attempt,
     }
 
 
@@ -330,7 +330,7 @@ class StepRecorder:
             rate,
             seconds,
             self.ids["job_id"],
-            self.ids["restart_count"],
+            self.ids["attempt"],
             found[0] if found else None,
             self.ctx.cadence_lines(),
         )
