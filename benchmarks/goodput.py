@@ -127,6 +127,7 @@ def recipe(arm: str, steps: int, tmp: Path, pool: int, restarts: int | None) -> 
         resources["partition"] = f"batch{suffix}"
     if arm == "b":
         resources["spare_nodes"] = 1
+    if arm in ("b", "d"):  # hpcrun's defaults: in-memory snapshots and the survivors' state
         if restarts is not None:
             fault["restarts_in_job"] = restarts
     elif has_snapshots():

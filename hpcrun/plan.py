@@ -211,6 +211,9 @@ def plan(site: Site, recipe: Recipe, recipe_path: str | Path, run_id: str, **ids
     if least is not None and least > res.nodes:
         raise HpcrunError(f"must be <= resources.nodes ({res.nodes})", where, "fault.min_nodes")
     if least is not None and least < res.nodes:
+        if not recipe.fault.restarts_in_job:
+            raise HpcrunError("a job shrinks only when it restarts inside its allocation: set fault.restarts_in_job",
+                              where, "fault.min_nodes")
         if recipe.job.kind in ("command", "function"):
             raise HpcrunError(f"a {recipe.job.kind} job's own code holds its ranks: it cannot train on fewer nodes",
                               where, "fault.min_nodes")

@@ -18,7 +18,7 @@ from hpcrun.site import shipped_dirs
 # srun: srun waits for every task's end, and a lost node's tasks never report one.
 STEP_GRACE_S = 5
 # while a rank that outlived the failed one still saves its state (rundir.SAVING), up to this long: a 1.3b
-# model's DDP state (15.6 GB) took 12.6 s on an H200 (benchmarks/survivor_save.py, RESULTS.md §7)
+# model's DDP state (15.6 GB) took 12.6 s on an H200 (benchmarks/survivor_save.py, RESULTS.md §7b)
 SAVE_GRACE_S = 60
 
 
@@ -73,6 +73,14 @@ def template_name(spec: RunSpec) -> tuple[str | None, str]:
     return None, "local.sh.j2" if spec.site.scheduler == "local" else "sbatch.sh.j2"
 
 
+def no_kill_why(spec: RunSpec) -> str:
+    """Why the script asks SLURM to keep the job through a lost node (`--no-kill`), in a few words."""
+    ways = ["on a spare"] if spec.spare_nodes else []
+    if spec.shrinks:
+        ways.append(f"on as few as {spec.min_nodes} nodes")
+    return " or ".join(ways)
+
+
 def render(spec: RunSpec) -> str:
     """The script for one run, tagged with its run id (hpcrun.backend looks a lost submission up by it)."""
     return _render(spec, None, [spec.run_dir], spec.log_folder, spec.run_id)
@@ -124,9 +132,12 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         step_grace_s=STEP_GRACE_S,
         # the ranks that outlive a failed one keep their state before they exit (hpcrun.runtime.snapshotsurvivor):
         # srun must not kill them at once; the watcher ends the step step_grace_s after a task failed
-        survivors_keep=spec.takes_snapshots and spec.strategy.memory_option().one_snapshot_per_node,
+        survivors_keep=spec.takes_snapshots and spec.strategy.memory_option().one_snapshot_per_node
+        and spec.recipe.job.kind != "function",  # a call's own process group: hpcrun's engine keeps nothing
         save_grace_s=SAVE_GRACE_S,
-        saving=f"{rundir.EXITS}/$this_job-$attempt-rank*{rundir.SAVING}",
+        exits=rundir.EXITS,
+        saving_suffix=rundir.SAVING,
+        no_kill_why=no_kill_why(spec),
         srun_ended=slurm.SRUN_ENDED,
         probe_s=slurm.PROBE_S,
         proxied=slurm.PROXIED,

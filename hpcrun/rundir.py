@@ -38,6 +38,7 @@ PROGRESS = "progress.json"
 TENSORBOARD = "tensorboard"
 EXITS = "exits"
 SAVING = ".saving"  # exits/<job>-<attempt>-rank<r>.saving: a survivor's save under way
+SURVIVOR_CLAIM = "survivor-"  # <node's snapshot dir of a run>/survivor-<attempt>-step-N: who writes step N there
 STARTS = "starts"  # starts/<SLURM job id>: one line per start of the training step (the batch script's count)
 LEDGER = "ledger.json"
 SWEEPS = "sweeps"

@@ -683,3 +683,41 @@ def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_fact
     assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
     row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
     assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "survivor", survived), row
+
+
+class _Layout:
+    nodes = ["a", "a"]
+
+    def engine_rank(self, rank: int, engine: tp.Any) -> int:
+        return 0
+
+
+class _Engine:
+    """An engine whose survivor's save writes one file, or fails (a CUDA error, a full tmpfs)."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+
+    def write_survivor(self, directory: Path, threads: int) -> None:
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        directory.mkdir(parents=True)
+        (directory / "state.distcp").write_bytes(b"weights")
+
+
+def test_a_survivor_whose_save_fails_leaves_the_step_to_another(tmp_path: Path) -> None:
+    """Rank 0 (the rank whose own error ended the attempt, first to claim its node's save) fails to
+    write: its claim goes, and rank 1, which was waiting for it, writes the step for both ranks."""
+    from hpcrun.runtime import snapshotsurvivor
+    from hpcrun.runtime.snapshotdirs import RankDirs
+
+    dirs = [RankDirs(tmp_path / "job", "run", "a") for _ in range(2)]
+    state = {"step": 7, "rank_losses": [1.0, 2.0]}
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        snapshotsurvivor.keep(dirs[0], _Layout(), _Engine(True), 0, 2, 0, "run", 7, state)
+    assert not snapshotsurvivor.claim_file(dirs[0], 0, 7).exists()
+    said = snapshotsurvivor.keep(dirs[1], _Layout(), _Engine(False), 1, 2, 0, "run", 7, state)
+    assert said == "kept step 7 for rank(s) 0, 1 on this node", said
+    for rank in (0, 1):
+        step = rundir.step_dir(dirs[1].rank_dir(rank), 7)
+        assert snapshotfiles.verify(step) is None and rundir.engine_state(step).exists() == (rank == 0)

@@ -95,7 +95,8 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         then()
     if status == "requeued" and env.is_main:
         # before destroy_process_group: a rank that exits badly meanwhile gets rank 0 killed
-        # (--kill-on-bad-exit); then the failure step, seeing `requeueing`, requeues instead
+        # (--kill-on-bad-exit, or the batch script's watcher); then the failure step, seeing
+        # `requeueing`, requeues instead
         requeue_now(env, ctx.run_dir)
     if dist.is_initialized() and not alone:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import typing as tp
 
@@ -75,6 +76,8 @@ class Context:
         # run once the attempt's results row and state.json are written (a function job's result
         # pickle: whoever sees the result finds the run's record already there)
         self.when_recorded: list[tp.Callable[[], None]] = []
+        self._surviving = threading.Lock()  # one survivor's save per attempt (`keep_survivor_state`)
+        self._survived = False
 
     @property
     def nvme_dir(self) -> str | None:
@@ -95,6 +98,7 @@ class Context:
         )
         if self.shrunk:  # each micro-batch's loss divided by all the micro-batches of the global batch, over ranks
             self.engine.accum = self.data_world * self.recipe.training.grad_accum / self.world_size
+            self.engine.sync_every = not getattr(self.engine, "replicated", False)  # shards: no full gradients
             self.info(f"training on {self.world_size} of {self.data_world} ranks: the same global batch, each rank "
                       f"taking {len(self.data_ranks)} or so slices of it (this one: {self.data_ranks})")
         if self.spec.takes_snapshots:
@@ -346,32 +350,51 @@ class Context:
         """Tier 0 of recovery: after a failure (this rank's collective raised, or its watchdog fires)
         write the state of the last completed step where the restart finds it
         (hpcrun.runtime.snapshotsurvivor), once the optimizer step in progress, if any, has ended
-        (at most `wait_s`). Never raises: the failure is recorded whatever this does."""
+        (at most `wait_s`). Once per attempt: the training thread and the watchdog's may both come
+        here, the later one waits for the first one's save. Never raises: the failure is recorded
+        whatever this does."""
         engine, snapshots = self.engine, self.snapshots
         lock = getattr(engine, "update_lock", None)
         if snapshots is None or lock is None or not getattr(engine, "replicated", False):
             return
+        with self._surviving:
+            if self._survived:
+                return
+            self._survived = True
+            said = self._keep_survivor_state(engine, snapshots, lock, wait_s)
+        print(f"[hpcrun rank {self.rank}] survivor's save: {said}", file=sys.stderr, flush=True)
+
+    def _keep_survivor_state(self, engine: tp.Any, snapshots: snapshot.Snapshots, lock: tp.Any, wait_s: float) -> str:
         saving = self.run_dir.survivor_saving(self.env.job_id, self.env.attempt, self.rank)
         try:  # the batch script waits longer for a step one of whose ranks says so
             saving.parent.mkdir(parents=True, exist_ok=True)
             saving.touch()
         except OSError:
             pass
-        if not lock.acquire(timeout=wait_s):
-            saving.unlink(missing_ok=True)
-            return
         try:
-            step = self.start_step + engine.updates
-            done = step - self.start_step  # this attempt's steps: its losses, one per step, the last maybe unrecorded
-            own = (list(self.measured.losses) + [None] * done)[:done]
-            state = {**self.trainer_state(step), "losses": self.restored_losses, "rank_losses": own}
-            said = snapshots.keep_survivor(engine, step, state)
+            if not lock.acquire(timeout=wait_s):
+                return "not kept: the optimizer step in progress did not end"
+            try:
+                if engine.torn:
+                    return "not kept: an optimizer step failed partway (the state is no step's)"
+                if not engine.updates:  # the state this attempt started from, kept where it came from
+                    return "not kept: no step completed in this attempt"
+                step = self.start_step + engine.updates
+                state = {**self.trainer_state(step), "losses": self.restored_losses,
+                         "rank_losses": self.own_losses(step)}
+                return snapshots.keep_survivor(engine, step, state)
+            finally:
+                lock.release()
         except Exception as exc:  # noqa: BLE001 - the restart resumes from what else there is
-            said = f"not kept: {type(exc).__name__}: {exc}"
+            return f"not kept: {type(exc).__name__}: {exc}"
         finally:
-            lock.release()
             saving.unlink(missing_ok=True)
-        print(f"[hpcrun rank {self.rank}] survivor's save: {said}", file=sys.stderr, flush=True)
+
+    def own_losses(self, step: int) -> list[float | None]:
+        """This rank's loss of each of this attempt's steps up to `step`, one per step (None where it
+        was not recorded): every rank's snapshot of a step holds as many, whoever saved it."""
+        done = step - self.start_step
+        return (list(self.measured.losses) + [None] * done)[:done]
 
     def save(self, step: int, block: bool) -> float:
         """A disk checkpoint of `step`; returns the seconds training was held."""
@@ -385,7 +408,7 @@ class Context:
         assert self.snapshots is not None
         # this rank's own losses: their mean over ranks (global_losses) is taken at the restore, so
         # that a snapshot waits for no other rank
-        state = {**self.trainer_state(step), "losses": self.restored_losses, "rank_losses": list(self.measured.losses)}
+        state = {**self.trainer_state(step), "losses": self.restored_losses, "rank_losses": self.own_losses(step)}
         self.measured.snapshot_stalls.append(self.snapshots.save(self.engine, step, state))
         return self.measured.snapshot_stalls[-1]
 

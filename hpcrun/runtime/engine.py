@@ -49,7 +49,11 @@ class TorchEngine:
         self.unsettled = settle_buckets  # DDP: its buckets are laid out again before the attempt's first real step
         self.dtype = AUTOCAST[recipe.precision]
         self.scaler = torch.amp.GradScaler(env.device.type) if recipe.precision == "fp16-mixed" else None
-        self.accum: float = recipe.training.grad_accum  # micro-batches per rank per step (more after a shrink)
+        # what each micro-batch's loss is divided by: the recipe's accumulation, or after a shrink every
+        # micro-batch of the global batch over the ranks left (hpcrun.runtime.context)
+        self.accum: float = recipe.training.grad_accum
+        self.sync_every = False  # reduce every micro-batch's gradients (a shrunk sharded state: no_sync's
+        # full gradients on top of larger shards would not fit where the plan said)
         self._stager: AsyncStager | None = None
         self._snapshot_stager: AsyncStager | None = None
         self.snapshot_buffers = SnapshotBuffers()  # what snapshots copy into, and where they are in their life
@@ -65,6 +69,10 @@ class TorchEngine:
         # from another thread takes it, and so never reads a half-updated state
         self.update_lock = threading.Lock()
         self.updates = 0
+        self.torn = False  # an optimizer step raised partway: the state is no step's
+        # CUDA: where the last optimizer step's writes end, for a survivor's copy on a stream of its own
+        # (the default stream may wait on a collective that never completes)
+        self._updated: torch.cuda.Event | None = None
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
         if self._snapshot_copied is not None and self._buffers_change:  # forward writes buffers the copy reads
@@ -74,7 +82,8 @@ class TorchEngine:
             self.settle_buckets(tokens, targets)
         # skip the gradient all-reduce on all but the last micro-batch of an accumulation
         sync = (
-            contextlib.nullcontext() if last or self.accum == 1 else tp.cast(tp.Any, self.model).no_sync()
+            contextlib.nullcontext() if last or self.accum == 1 or self.sync_every
+            else tp.cast(tp.Any, self.model).no_sync()
         )  # DDP and FSDP both have it
         with sync:
             with self.autocast():
@@ -110,8 +119,15 @@ class TorchEngine:
 
     def optimizer_step(self) -> None:
         with self.update_lock:
-            self._optimizer_step()
+            try:
+                self._optimizer_step()
+            except BaseException:
+                self.torn = True
+                raise
             self.updates += 1
+            if self.env.device.type == "cuda":
+                self._updated = torch.cuda.Event()
+                self._updated.record()
 
     def _optimizer_step(self) -> None:
         if self._snapshot_copied is not None:  # a snapshot's copy to host still reads the state
@@ -217,10 +233,19 @@ class TorchEngine:
             self._snapshot_copied.record(self._snapshot_stream)
         return tp.cast(dict[str, tp.Any], buffers.tensors)
 
-    def survivor_state(self) -> dict[str, tp.Any]:
-        """The live state, for `write_snapshot` with no copy and no collective: a survivor's save
-        (hpcrun.runtime.snapshotsurvivor) while holding `update_lock`."""
-        return self._state()
+    def write_survivor(self, directory: Path, threads: int) -> None:
+        """A survivor's save (hpcrun.runtime.snapshotsurvivor), holding `update_lock`: the live state
+        written as `write_snapshot` writes a snapshot, with no collective. On CUDA it is first copied
+        to host on a stream of its own that waits only for the last optimizer step's writes: the
+        default stream may wait on a collective that never completes."""
+        state = self._state()
+        if self._updated is not None:
+            side = torch.cuda.Stream(self.env.device)
+            side.wait_event(self._updated)
+            with torch.cuda.stream(side):
+                state = checkpoint.copy_into(state, None)
+            side.synchronize()
+        self.write_snapshot(state, directory, threads=threads)
 
     def write_snapshot(self, state: dict[str, tp.Any], directory: Path, threads: int = 1) -> None:
         """Write a `snapshot_state` into `directory` on node-local scratch: the same DCP save as a

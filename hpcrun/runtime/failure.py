@@ -213,7 +213,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
     if failure is None:
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
     own = next((r for r in records if r.get("rank") == failure.rank), None)
-    failure = name_silent(run_dir, job_id, attempt, failure, own, spec.world_size)
+    step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
+    world = len(step_nodes) * spec.ranks_per_node or None  # fewer than planned after a shrink
+    failure = name_silent(run_dir, job_id, attempt, failure, own, world or spec.world_size)
     # only the first failing rank's own record makes the failure the call's result: a rank that died
     # without one (SIGKILL, OOM, a segfault) raised nothing, and a peer's error after it is its consequence
     call_error = str(own.get("error")) if own is not None and own.get("final") else None
@@ -225,8 +227,6 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
     progressed = progressed_at(records, beat)
     noticed = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     said = rank_row(own or next(iter(records), None) or {})
-    step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
-    world = len(step_nodes) * spec.ranks_per_node or None  # fewer than planned after a shrink
     row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST"), world),
            **said}
     cap = spec.recipe.checkpoint.max_requeues
@@ -271,7 +271,8 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
             nodes = restart_nodes(spec, state, step_nodes, allocated, lost + probed.silent)
             nodes = nodes or restart_nodes(spec, state, step_nodes, allocated, lost)
             if nodes is None and spec.shrinks:  # none to take a lost node's place (now or before): train on without
-                nodes = restart_nodes(spec, state, step_nodes, allocated, lost, spec.min_nodes)
+                nodes = restart_nodes(spec, state, step_nodes, allocated, lost + probed.silent, spec.min_nodes)
+                nodes = nodes or restart_nodes(spec, state, step_nodes, allocated, lost, spec.min_nodes)
         stopped = stop.came if stop is not None else None
         if final:
             reason += "; the call's own error, its result: not run again"
@@ -280,10 +281,10 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         elif nodes is not None and not stopped:
             decided["restart"] = nodes
             reason += f"; {RESTARTING} ({in_job + 1} of {spec.recipe.fault.restarts_in_job})"
-            if set(nodes) - set(step_nodes):
-                reason += f" on {','.join(nodes)}"
             if len(nodes) < spec.nodes:
                 reason += f" on {len(nodes)} of {spec.nodes} nodes ({','.join(nodes)}), the same global batch"
+            elif set(nodes) - set(step_nodes):
+                reason += f" on {','.join(nodes)}"
         else:
             if nodes is not None:  # the job is to leave: a restart would run on with no stop coming
                 reason += f"; {stopped} during the failure step: not restarted in the job"

@@ -42,7 +42,7 @@ from hpcrun.runtime import checkpoint as ckpt
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.snapshotbuffers import BufferState, SnapshotBuffers
 from hpcrun.runtime.snapshotdirs import RankDirs
-from hpcrun.runtime.snapshotexchange import Peers
+from hpcrun.runtime.snapshotexchange import Peers, peer_of
 from hpcrun.runtime.snapshotfiles import publish
 from hpcrun.runtime.snapshotrestore import Restored, restore
 from hpcrun.runtime.snapshotsurvivor import keep
@@ -86,12 +86,23 @@ class Snapshots:
         newer than `newer_than` (the newest disk checkpoint's step); None: resume from disk."""
         restored = restore(self.peers, self.dirs, engine, newer_than, self.info)
         if self.env.local_rank == 0:  # every rank's inventory was taken before the restore's first gather
-            sweep_past(self.job_dir, self.run_id, self.dirs.host, self.env.world_size)
+            sweep_past(self.job_dir, self.run_id, self.dirs.host, self.held_here())
         return restored
 
+    def held_here(self) -> set[int]:
+        """The ranks whose snapshot directories this node holds: its own ranks', and those whose
+        replicas it receives (each rank's peer on the next node)."""
+        nodes, here = self.peers.nodes, self.peers.node
+        held = set()
+        for rank, node in enumerate(nodes):
+            peer = peer_of(nodes, rank)
+            if here == node or (peer is not None and nodes[peer] == here):
+                held.add(rank)
+        return held
+
     def keep_survivor(self, engine: tp.Any, step: int, trainer_state: dict[str, tp.Any]) -> str:
-        """After a failure, this rank's live state as step `step` for every rank on this node, where
-        every rank's engine state is the same (hpcrun.runtime.snapshotsurvivor); no collective.
+        """After a failure, this rank's live state as step `step` for every rank of the world, on this
+        node, where every rank's engine state is the same (hpcrun.runtime.snapshotsurvivor); no collective.
         Returns what was done, for the log. The caller holds the engine's update lock."""
         if not getattr(engine, "replicated", False):
             return "not kept: a sharded state (a dead rank's shard is in its periodic snapshot only)"

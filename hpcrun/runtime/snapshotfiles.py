@@ -38,11 +38,20 @@ def _checksum(path: Path) -> str:
 
 
 def publish(tmp: Path, final: Path, **fields: tp.Any) -> None:
-    """Write `tmp`'s manifest (the hashes of its files) last, then rename it to `final`."""
+    """Write `tmp`'s manifest (the hashes of its files) last, then rename it to `final`. A `final`
+    there already (the same step written before a restart, or a survivor's stand-in getting its own
+    losses) is renamed aside first and removed after: a kill between the two renames leaves the old
+    copy under a partial step's name (swept), never no copy and a removed one."""
     manifest = {**fields, "files": file_hashes(tmp), "complete": True}
     rundir.write_json(rundir.manifest(tmp), manifest)
-    shutil.rmtree(final, ignore_errors=True)  # the same step written before a restart
+    aside = final.with_name(f"{rundir.PARTIAL_STEP}{final.name}.old")
+    shutil.rmtree(aside, ignore_errors=True)  # (a kill's leftover)
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:
+        pass
     os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def manifest_of(step_dir: Path) -> dict[str, tp.Any] | None:

@@ -34,6 +34,9 @@ from hpcrun.runtime.snapshotfiles import manifest_of, publish
 STAND_IN = "stand_in"  # a trainer state's key: written by a survivor for another rank (its losses unknown)
 SURVIVOR = "survivor"  # a manifest's key: the rank whose save this step is
 WRITER_THREADS = 8  # benchmarks/survivor_save.py: 1.4x faster than one on this machine's CPUs
+# how long a node's other survivors wait for the claimant's write (a 1.3b model's state: ~13 s on an H200),
+# within the batch script's SAVE_GRACE_S (hpcrun.render)
+OWN_WAIT_S = 40.0
 
 
 class Layout(tp.Protocol):
@@ -48,24 +51,39 @@ def keep(
     dirs: RankDirs, peers: Layout, engine: tp.Any, rank: int, world_size: int, attempt: int, run_id: str,
     step: int, state: dict[str, tp.Any],
 ) -> str:
-    """Write `engine`'s live state as step `step` of every rank on this node, unless another rank
-    here claimed that step; returns what was done, for the rank's log. The caller holds the
-    engine's update lock."""
+    """Write `engine`'s live state as step `step` of every rank of the world on this node, unless
+    another rank here claimed that step (then this rank's own losses go into its directory once that
+    rank has written it, or this rank writes the step itself if that rank gave up); returns what was
+    done, for the rank's log. The caller holds the engine's update lock."""
     if len(peers.nodes) != world_size:
         return "not kept: the ranks' nodes were not learnt yet (no snapshot taken)"
     if not dirs.claim(rank):  # (its directory made, where none was: no snapshot taken yet)
         return "not kept: the snapshots were closed"
-    root = dirs.rank_dir(rank).parent
-    claim = root / f"survivor-{attempt}-{rundir.step_dir(root, step).name}"
+    claim = claim_file(dirs, attempt, step)
+    while True:
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            break
+        except FileExistsError:
+            said = own(dirs, rank, step, attempt, state, claim)
+            if said is not None:
+                return said  # else the claimant gave up: claim the step again
     try:
-        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        return own(dirs, rank, step, attempt, state)
+        return _write(dirs, peers, engine, rank, world_size, attempt, run_id, step, state)
+    except BaseException:
+        claim.unlink(missing_ok=True)  # another survivor of this node may write it yet
+        raise
+
+
+def _write(
+    dirs: RankDirs, peers: Layout, engine: tp.Any, rank: int, world_size: int, attempt: int, run_id: str,
+    step: int, state: dict[str, tp.Any],
+) -> str:
     staged = survivor_partial(dirs.rank_dir(rank), step, "engine")
     if not dirs.new_dir(staged):
         return "not kept: the snapshots were closed"
     # on the restart's critical path, with no training left to leave the cores to
-    engine.write_snapshot(engine.survivor_state(), rundir.engine_state(staged), threads=WRITER_THREADS)
+    engine.write_survivor(rundir.engine_state(staged), threads=WRITER_THREADS)
     written = []
     for other in range(world_size):
         final = rundir.step_dir(dirs.rank_dir(other), step)
@@ -89,12 +107,23 @@ def keep(
     return f"kept step {step} for rank(s) {', '.join(map(str, written))} on this node"
 
 
-def own(dirs: RankDirs, rank: int, step: int, attempt: int, state: dict[str, tp.Any], wait_s: float = 3.0) -> str:
+def claim_file(dirs: RankDirs, attempt: int, step: int) -> Path:
+    """The file whose creation makes one survivor of a node the writer of `step` (hpcrun.runtime.
+    snapshotsweep `sweep_past` removes it once a restart has read the node)."""
+    root = dirs.rank_dir(0).parent
+    return root / f"{rundir.SURVIVOR_CLAIM}{attempt}-{rundir.step_dir(root, step).name}"
+
+
+def own(dirs: RankDirs, rank: int, step: int, attempt: int, state: dict[str, tp.Any], claim: Path,
+        wait_s: float = OWN_WAIT_S) -> str | None:
     """On a node where another survivor claimed step `step`: once it has published this rank's
-    directory of that step (a stand-in), put this rank's own trainer state (its losses) in it."""
+    directory of that step (a stand-in), put this rank's own trainer state (its losses) in it. None:
+    the claimant gave up (its claim is gone), so this rank may write the step."""
     final = rundir.step_dir(dirs.rank_dir(rank), step)
     deadline = time.monotonic() + wait_s
     while (manifest_of(final) or {}).get("attempt") != attempt:
+        if not claim.exists():
+            return None
         if time.monotonic() > deadline:
             return f"step {step} kept by another rank on this node (this rank's losses not added)"
         time.sleep(0.05)

@@ -99,12 +99,16 @@ def sweep_run(scratch: Path, job_dir: Path, run_id: str, host: str) -> None:
                 remove_empty(start / run_id / host, start / run_id, start)
 
 
-def sweep_past(job_dir: Path, run_id: str, host: str, world_size: int) -> None:
-    """Remove this node's directories of ranks past `world_size` in this job start: a larger world's,
-    left by a shrink (a lost node), that no rank restores (their engine state's links would keep a copy
-    in memory). Once every rank's restore has read what the node holds."""
+def sweep_past(job_dir: Path, run_id: str, host: str, held: set[int]) -> None:
+    """Remove what this node holds of this job start that the ranks now running neither write nor
+    receive (`held`): survivors' saves write every rank's directory on every node, and a shrink
+    leaves a larger world's, whose engine state's links would keep copies in memory to the job's end;
+    and the survivors' claims. Once every rank's restore has read what the node holds."""
+    root = job_dir / run_id / host
     for rank, rank_dir in rundir.snapshot_ranks(job_dir, run_id, host).items():
-        if rank >= world_size:
+        if rank not in held:
             with unowned(rank_dir) as free:
                 if free:
                     shutil.rmtree(rank_dir, ignore_errors=True)
+    for claim in root.glob(f"{rundir.SURVIVOR_CLAIM}*"):
+        claim.unlink(missing_ok=True)

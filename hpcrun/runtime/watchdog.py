@@ -5,9 +5,11 @@ the rank before it in the pulse ring (hpcrun.runtime.pulse) fell silent for `fau
 It depends on nothing the stuck thread holds: it reads two numbers the loop writes after every
 step, and on firing it writes every thread's Python stack to this rank's log (faulthandler, which
 needs no GIL-holding cooperation from the stuck thread), leaves the rank's exit record and ends
-the process with EXIT_HUNG. A non-zero exit ends the job step (srun's --kill-on-bad-exit), and the
-attempt is recorded and requeued like any failed one. A rank that is stopped (SIGSTOP) cannot dump
-its own stack; its peers, waiting for it in a collective, fire instead. Which ranks went silent is
+the process with EXIT_HUNG, after `on_end` (where every rank holds the same state, the survivor's
+save of hpcrun.runtime.snapshotsurvivor). A non-zero exit ends the job step (srun's
+--kill-on-bad-exit, or the batch script's watcher), and the attempt is recorded and restarted or
+requeued like any failed one. A rank that is stopped (SIGSTOP) cannot dump its own stack; its
+peers, waiting for it in a collective, fire instead. Which ranks went silent is
 read from their heartbeats (hpcrun.runtime.heartbeat) by the attempt's one failure writer, once,
 not by every firing rank: O(ranks) reads per hang, not O(ranks^2).
 
@@ -45,6 +47,7 @@ FLOOR_S = 120.0  # the derived timeout's floor: a data stall, or rank 0's evalua
 STEP_FACTOR = 5  # the derived timeout: this many times the slowest recent step (NVRx's launcher uses 5)
 RECENT = 100  # steps whose slowest sets the derived timeout
 BUSY_SHARE = 0.05  # a training thread on a core this share of the time (a loaded machine gives it little) works
+ON_END_S = 50.0  # the most `on_end` (a survivor's save) may take: within the batch script's SAVE_GRACE_S (60 s)
 BUSY_CAP_S = 600.0  # busy without a step for longer is hung all the same (a GPU wait spins a core: CUDA's default)
 
 
@@ -185,16 +188,19 @@ class Watchdog:
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 except Exception as exc:  # noqa: BLE001 - no stacks (stderr closed, no file descriptor): still exit
                     self.say(f"stacks not written: {type(exc).__name__}: {exc}")
-            if self.on_end is not None:
-                try:
-                    self.on_end()
-                except Exception as exc:  # noqa: BLE001 - the record and the exit still come
-                    self.say(f"survivor's save failed: {type(exc).__name__}: {exc}")
             # the attempt's one record (hpcrun.runtime.failure) reads why this rank ended and names
             # the silent ranks; no seconds in it, so the same hang at the same step twice is the same failure
             failure.write_exit_record(self.run_dir, self.job_id, self.attempt, self.rank, error, self.step + 1, {},
                                       stepped=self.last_wall if self.step >= 0 else None)
         except Exception as exc:  # noqa: BLE001
             self.say(f"hang not recorded: {type(exc).__name__}: {exc}")
+        try:
+            if self.on_end is not None:  # after the record, and bounded: a save stuck on the device ends too
+                deadline = threading.Timer(ON_END_S, os._exit, args=(EXIT_HUNG,))
+                deadline.daemon = True
+                deadline.start()
+                self.on_end()
+        except Exception as exc:  # noqa: BLE001 - the exit still comes
+            self.say(f"survivor's save failed: {type(exc).__name__}: {exc}")
         finally:
             os._exit(EXIT_HUNG)  # the stuck main thread never reaches a clean exit

@@ -108,7 +108,10 @@ while :; do
     failed_at=
     # a rank that outlived the failed one saves its state first (hpcrun.runtime.snapshotsurvivor): the
     # step is given up to 60 s while one says so
-    saving() { compgen -G "$run_dir/exits/$this_job-$attempt-rank*.saving" >/dev/null && [ $((SECONDS - failed_at)) -lt 60 ]; }
+    saving() {
+      local marks=("$run_dir"/exits/"$this_job-$attempt"-rank*.saving)  # only the * a pattern
+      [ -e "${marks[0]}" ] && [ $((SECONDS - failed_at)) -lt 60 ]
+    }
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
