@@ -673,16 +673,50 @@ def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_fact
     assert state(run_dir)["status"] == "completed", state(run_dir)
     log = (run_dir / "rank0.log").read_text()
     assert "training on 2 of 4 ranks: the same global batch" in log, log[-3000:]
-    whole = baseline(tmp_path_factory, "ddp")
+    same_training(run_dir, baseline(tmp_path_factory, "ddp"), survived)
+    row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
+    assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "survivor", survived), row
+
+
+def same_training(run_dir: Path, whole: Path, since: int) -> None:
+    """A shrunk run's losses from step `since` on and its final weights against the uninterrupted
+    run's, within README's tolerances."""
     got, want = losses(run_dir), losses(whole)
-    worst = max(abs(g - w) / abs(w) for g, w in zip(got[survived:], want[survived:]))
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got[since:], want[since:]))
     mine = torch.load(rundir.RunDir(run_dir).final_weights, weights_only=True)
     theirs = torch.load(rundir.RunDir(whole).final_weights, weights_only=True)
     weights_off = max(((mine[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
-    print(f"\n[shrink] from step {survived}: largest relative loss difference {worst:.2e}, weights {weights_off:.2e}")
+    print(f"\n[shrink] from step {since}: largest relative loss difference {worst:.2e}, weights {weights_off:.2e}")
     assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
+
+
+def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """FSDP (full shard) loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone): its
+    survivors keep nothing (a dead rank's shard of the last step is nowhere else), the periodic
+    snapshots are shards of four ranks, so the restart on two resumes from the disk checkpoint,
+    resharded (DCP), each rank reducing every micro-batch's gradients (no full unsharded gradients
+    held, sync_every); the same global batch, within README's tolerances."""
+    run_dir = prepared(tmp_path, "shrink-fsdp", STEP_DELAY_S, 2, 5, "fsdp")
+    nodes = [tmp_path / "nodeA", tmp_path / "nodeB"]
+    job_id = str(random.randint(1000, 11000))
+    procs = launch(run_dir, nodes, job_id)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
+             what="the disk checkpoint of step 5", timeout=120)
+    time.sleep(3 * STEP_DELAY_S)
+    for proc in procs[2:]:
+        proc.send_signal(signal.SIGKILL)
+    codes = [proc.wait(timeout=60) for proc in procs]
+    assert codes[2:] == [-signal.SIGKILL] * 2 and all(code != 0 for code in codes[:2]), codes
+    shutil.rmtree(nodes[1], ignore_errors=True)
+    disk = max(s for s, p in rundir.step_dirs(checkpoints).items() if rundir.manifest(p).exists())
+    finished(launch(run_dir, nodes, job_id, attempt=1, world=2), run_dir)
+    assert state(run_dir)["status"] == "completed", state(run_dir)
+    same_training(run_dir, baseline(tmp_path_factory, "fsdp"), disk)
     row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
-    assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "survivor", survived), row
+    assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "disk", disk), row
 
 
 class _Layout:
