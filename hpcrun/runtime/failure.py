@@ -30,7 +30,7 @@ from hpcrun.plan import RunSpec
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import CorruptStateError, RunDir, current_names, read_json, write_json
 from hpcrun.runtime import heartbeat
-from hpcrun.runtime.cause import Failure, first_failure, step_message
+from hpcrun.runtime.cause import CONSEQUENCE, Failure, first_failure, step_message
 from hpcrun.runtime.nodes import clear_node_dirs, exclusions, partition_size, probed_nodes, restart_nodes
 from hpcrun.runtime.requeue import REQUEUEING, requeue
 from hpcrun.runtime.row import plan_row
@@ -244,7 +244,11 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
             room = partition_size(spec.partition)
         except HpcrunError as exc:
             print(f"[hpcrun] excluding the lost nodes: {exc.format_message()}", file=sys.stderr)
-    if lost:
+    if lost and (failure.node not in lost and CONSEQUENCE.search(failure.what) or failure.rank is None):
+        # only survivors told srun (a lost node's tasks never do): the cause is the node, named by its first rank
+        first = step_nodes.index(lost[0]) * spec.ranks_per_node if lost[0] in step_nodes else None
+        failure = Failure(first, lost[0], f"node lost: {','.join(lost)}", failure.step)
+    elif lost:
         failure = dataclasses.replace(failure, what=f"{failure.what}; node lost: {','.join(lost)}")
     if probed.silent:
         failure = dataclasses.replace(
