@@ -138,6 +138,16 @@ class RunSpec(Frozen):
         return self.scheduler == "slurm" and bool(self.recipe.fault.restarts_in_job) and self.min_nodes < self.nodes
 
     @property
+    def outlives_lost_nodes(self) -> bool:
+        """Whether the job asks SLURM to keep it through a lost node (`--no-kill`): with spares, or where
+        its training step restarts inside the allocation on several nodes (then hpcrun's failure step
+        decides: a spare, a shrink, or a requeue of its own). Not by strategy: a sweep's points of one
+        shape share one array script."""
+        kind = self.recipe.job.kind
+        in_job = self.scheduler == "slurm" and bool(self.recipe.fault.restarts_in_job)
+        return bool(self.spare_nodes) or (in_job and self.nodes > 1 and kind in ("benchmark", "entrypoint"))
+
+    @property
     def spare_nodes(self) -> int:
         return self.recipe.resources.spare_nodes
 

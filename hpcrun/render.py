@@ -73,14 +73,6 @@ def template_name(spec: RunSpec) -> tuple[str | None, str]:
     return None, "local.sh.j2" if spec.site.scheduler == "local" else "sbatch.sh.j2"
 
 
-def no_kill_why(spec: RunSpec) -> str:
-    """Why the script asks SLURM to keep the job through a lost node (`--no-kill`), in a few words."""
-    ways = ["on a spare"] if spec.spare_nodes else []
-    if spec.shrinks:
-        ways.append(f"on as few as {spec.min_nodes} nodes")
-    return " or ".join(ways)
-
-
 def render(spec: RunSpec) -> str:
     """The script for one run, tagged with its run id (hpcrun.backend looks a lost submission up by it)."""
     return _render(spec, None, [spec.run_dir], spec.log_folder, spec.run_id)
@@ -132,12 +124,11 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         step_grace_s=STEP_GRACE_S,
         # the ranks that outlive a failed one keep their state before they exit (hpcrun.runtime.snapshotsurvivor):
         # srun must not kill them at once; the watcher ends the step step_grace_s after a task failed
-        survivors_keep=spec.takes_snapshots and spec.strategy.memory_option().one_snapshot_per_node
-        and spec.recipe.job.kind != "function",  # a call's own process group: hpcrun's engine keeps nothing
+        # (whatever the strategy: a sweep's points of one shape share one array script; only DDP's keep any)
+        survivors_keep=spec.takes_snapshots and spec.recipe.job.kind != "function",
         save_grace_s=SAVE_GRACE_S,
         exits=rundir.EXITS,
         saving_suffix=rundir.SAVING,
-        no_kill_why=no_kill_why(spec),
         srun_ended=slurm.SRUN_ENDED,
         probe_s=slurm.PROBE_S,
         proxied=slurm.PROXIED,

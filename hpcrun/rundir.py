@@ -385,6 +385,14 @@ def newest_checkpoint(checkpoints: Path) -> int | None:
     return max(step_dirs(checkpoints), default=None)
 
 
+def survivor_partial_step_dir(rank_dir: Path, step: int, what: str) -> Path:
+    """Where a survivor writes `what` of snapshot `step` before publishing (hpcrun.runtime.snapshotsurvivor):
+    a partial step's name (a restart's sweep removes one left half-written), apart from the periodic
+    snapshot of the same step that may be in flight."""
+    partial = partial_step_dir(rank_dir, step)
+    return partial.with_name(f"{partial.name}.{SURVIVOR_CLAIM}{what}")
+
+
 def partial_step_dirs(checkpoints: Path) -> list[Path]:
     return sorted(checkpoints.glob(f"{PARTIAL_STEP}*"))
 

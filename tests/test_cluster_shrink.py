@@ -85,3 +85,6 @@ def test_a_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path, baseline: P
     print(f"[shrink] largest relative weight difference: {weights:.2e}")
     assert weights <= SHRINK_WTOL, weights
     assert state(run_dir).get("failed_nodes") == [third], state(run_dir)
+    # `hpcrun status` of the run says so below its row (progress.json, the shrunk attempt's last word)
+    shown = hpcrun("status", "--site", str(site), run_dir.name).stdout
+    assert "  training on 2 of 3 nodes since a lost node (4 of 6 ranks): the same global batch" in shown, shown

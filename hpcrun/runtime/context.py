@@ -303,6 +303,16 @@ class Context:
             return float("inf")  # none yet: due at once
         return max(0.0, saved_at - manifest(on_disk[1]).stat().st_mtime)
 
+    def progress_lines(self) -> list[str]:
+        """What `hpcrun status` shows of one running run below its row (progress.json's `saves`): a
+        shrink, when this attempt trains on fewer nodes than asked, then how saves are spaced."""
+        shrunk = []
+        if self.shrunk:
+            per_node = self.spec.ranks_per_node
+            shrunk = [f"training on {self.world_size // per_node} of {self.spec.nodes} nodes since a lost node "
+                      f"({self.world_size} of {self.data_world} ranks): the same global batch, each step slower"]
+        return shrunk + self.cadence_lines()
+
     def cadence_lines(self) -> list[str]:
         """How saves are spaced in this attempt, what it did, and what they cost (progress.json, the log)."""
         return [line for line in (kind.summary() for kind in self.cadences) if line]

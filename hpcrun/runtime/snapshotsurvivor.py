@@ -79,7 +79,7 @@ def _write(
     dirs: RankDirs, peers: Layout, engine: tp.Any, rank: int, world_size: int, attempt: int, run_id: str,
     step: int, state: dict[str, tp.Any],
 ) -> str:
-    staged = survivor_partial(dirs.rank_dir(rank), step, "engine")
+    staged = rundir.survivor_partial_step_dir(dirs.rank_dir(rank), step, "engine")
     if not dirs.new_dir(staged):
         return "not kept: the snapshots were closed"
     # on the restart's critical path, with no training left to leave the cores to
@@ -91,7 +91,7 @@ def _write(
             continue
         if other != rank and not dirs.claim(other):  # (claiming this rank's again would remove `staged`)
             continue
-        tmp = survivor_partial(dirs.rank_dir(other), step, "step")
+        tmp = rundir.survivor_partial_step_dir(dirs.rank_dir(other), step, "step")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         mine = {**state, "rank": other, "rng": ckpt.rng_state()}
@@ -128,19 +128,12 @@ def own(dirs: RankDirs, rank: int, step: int, attempt: int, state: dict[str, tp.
             return f"step {step} kept by another rank on this node (this rank's losses not added)"
         time.sleep(0.05)
     manifest = manifest_of(final) or {}
-    tmp = survivor_partial(dirs.rank_dir(rank), step, "own")
+    tmp = rundir.survivor_partial_step_dir(dirs.rank_dir(rank), step, "own")
     shutil.rmtree(tmp, ignore_errors=True)
     link_tree(final, tmp, leave=(rundir.MANIFEST, rundir.trainer_state(final, rank).name))
     rundir.trainer_state(tmp, rank).write_bytes(ckpt.serialise({**state, "rank": rank, "rng": ckpt.rng_state()}))
     publish(tmp, final, **{k: v for k, v in manifest.items() if k not in ("files", "complete")})
     return f"step {step} kept by another rank on this node, this rank's losses added"
-
-
-def survivor_partial(rank_dir: Path, step: int, what: str) -> Path:
-    """Where a survivor writes before publishing: a partial step's name (a restart's sweep removes one
-    left half-written), apart from the periodic snapshot of the same step that may be in flight."""
-    partial = rundir.partial_step_dir(rank_dir, step)
-    return partial.with_name(f"{partial.name}.survivor-{what}")
 
 
 def link_tree(source: Path, target: Path, leave: tuple[str, ...] = ()) -> None:

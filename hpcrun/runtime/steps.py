@@ -55,7 +55,7 @@ class Loop(tp.Protocol):
     @property
     def measured(self) -> Measurements: ...
     def info(self, message: str) -> None: ...
-    def cadence_lines(self) -> list[str]: ...
+    def progress_lines(self) -> list[str]: ...
 
 
 def attempt_ids(ctx: Loop) -> dict[str, tp.Any]:
@@ -332,5 +332,5 @@ class StepRecorder:
             self.ids["job_id"],
             self.ids["attempt"],
             found[0] if found else None,
-            self.ctx.cadence_lines(),
+            self.ctx.progress_lines(),
         )

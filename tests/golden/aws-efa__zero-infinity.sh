@@ -137,7 +137,7 @@ while :; do
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
   ( trap '' USR2 TERM
     set +e
-    srun --unbuffered --kill-on-bad-exit=1 --overlap --nodes="$step_count" --ntasks=$((step_count * 2)) \
+    srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes="$step_count" --ntasks=$((step_count * 2)) \
     --ntasks-per-node=2 --nodelist="$nodes" \
     --output=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/fsx/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
   --container-image=/fsx/images/pytorch-24.09.sqsh --container-mounts=/fsx:/fsx \
@@ -153,7 +153,12 @@ while :; do
     attempt=$HPCRUN_ATTEMPT
     unset HPCRUN_ATTEMPT  # its children are no attempt's processes a restart waits for
     failed_at=
-    saving() { false; }
+    # a rank that outlived the failed one saves its state first (hpcrun.runtime.snapshotsurvivor): the
+    # step is given up to 60 s while one says so
+    saving() {
+      local marks=("$run_dir"/exits/"$this_job-$attempt"-rank*.saving)  # only the * a pattern
+      [ -e "${marks[0]}" ] && [ $((SECONDS - failed_at)) -lt 60 ]
+    }
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
