@@ -142,7 +142,9 @@ def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: 
 
 # the ddp case on the oldest torch too (CI's `-m oldest_torch`): its one restore from a snapshot (a replica,
 # over gloo); local processes, no cluster: ~45 s on 2 loaded cores
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.oldest_torch), "fsdp"])
+@pytest.mark.parametrize(
+    "strategy", [pytest.param("ddp", marks=[pytest.mark.oldest_torch, pytest.mark.oldest_only]), "fsdp"]
+)
 def test_lost_node_resumes_from_the_replica(
     strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
