@@ -641,6 +641,21 @@ def test_a_copy_arriving_after_close_creates_no_directory(tmp_path: Path) -> Non
 SHRINK_RTOL, SHRINK_WTOL = 1e-5, 1e-2
 
 
+def past_the_disk(
+    tmp: Path, name: str, memory_interval: int, strategy: str
+) -> tuple[Path, list[Path], str, list[subprocess.Popen[bytes]]]:
+    """A run started on two pretend nodes, a few steps past its first disk checkpoint (step 5)."""
+    run_dir = prepared(tmp, name, STEP_DELAY_S, memory_interval, 5, strategy)
+    nodes = [tmp / "nodeA", tmp / "nodeB"]
+    job_id = str(random.randint(1000, 11000))
+    procs = launch(run_dir, nodes, job_id)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
+             what="the disk checkpoint of step 5", timeout=120)
+    time.sleep(3 * STEP_DELAY_S)  # a few steps past it
+    return run_dir, nodes, job_id, procs
+
+
 def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tier 0, then a shrink. Rank 3 alone SIGKILLed mid-run (DDP, no periodic snapshot, disk every 5
     steps): the three others see their collective fail, keep the state of their last completed step
@@ -651,14 +666,8 @@ def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_fact
     checkpoint. Every later step's loss and the final weights match the uninterrupted 4-rank run
     within SHRINK_RTOL and SHRINK_WTOL. (The survivors' restart at the same world size, bit-identical:
     tests/test_cluster_in_job.py.)"""
-    run_dir = prepared(tmp_path, "shrink", STEP_DELAY_S, 1000, 5, "ddp")
-    nodes = [tmp_path / "nodeA", tmp_path / "nodeB"]
-    job_id = str(random.randint(1000, 11000))
-    procs = launch(run_dir, nodes, job_id)
+    run_dir, nodes, job_id, procs = past_the_disk(tmp_path, "shrink", 1000, "ddp")
     checkpoints = run_dir / "checkpoints"
-    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
-             what="the disk checkpoint of step 5", timeout=120)
-    time.sleep(3 * STEP_DELAY_S)  # a few steps past it
     procs[3].send_signal(signal.SIGKILL)
     codes = [proc.wait(timeout=60) for proc in procs]  # the survivors end by themselves
     assert codes[3] == -signal.SIGKILL and all(code != 0 for code in codes[:3]), codes
@@ -700,14 +709,8 @@ def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
     snapshots are shards of four ranks, so the restart on two resumes from the disk checkpoint,
     resharded (DCP), each rank reducing every micro-batch's gradients (no full unsharded gradients
     held, sync_every); the same global batch, within README's tolerances."""
-    run_dir = prepared(tmp_path, "shrink-fsdp", STEP_DELAY_S, 2, 5, "fsdp")
-    nodes = [tmp_path / "nodeA", tmp_path / "nodeB"]
-    job_id = str(random.randint(1000, 11000))
-    procs = launch(run_dir, nodes, job_id)
+    run_dir, nodes, job_id, procs = past_the_disk(tmp_path, "shrink-fsdp", 2, "fsdp")
     checkpoints = run_dir / "checkpoints"
-    wait_for(lambda: any(rundir.manifest(p).exists() for p in rundir.step_dirs(checkpoints).values()),
-             what="the disk checkpoint of step 5", timeout=120)
-    time.sleep(3 * STEP_DELAY_S)
     for proc in procs[2:]:
         proc.send_signal(signal.SIGKILL)
     codes = [proc.wait(timeout=60) for proc in procs]
