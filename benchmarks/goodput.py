@@ -44,6 +44,7 @@ step), not from the per-step table, which a killed rank 0 may not have flushed.
 
     python benchmarks/goodput.py --minutes 10 [--pools 0,1,2] [--out goodput.json]
     python benchmarks/goodput.py --minutes 10 --shrink --pools 0,1,2,3   # arm d too
+    python benchmarks/goodput.py --minutes 10 --arms b,a --pools 0,1 --rounds 3   # arm b beside its baseline only
     python benchmarks/goodput.py --minutes 3   # a quick check
 Needs tests/cluster/testcluster.sh up; pools 0-2 have the spare nodes arms b and c need.
 """
@@ -297,7 +298,7 @@ def run_round(args: argparse.Namespace, steps: int, tmp: Path, n: int) -> dict[s
     """Every arm once: arms on different pools at once, on the same pool one after the other."""
     pools = [int(p) for p in args.pools.split(",")]
     lanes: dict[int, list[str]] = {}
-    arms = ("b", "c", "a", "d") if args.shrink else ("b", "c", "a")
+    arms = tuple(args.arms.split(",")) if args.arms else ("b", "c", "a", "d") if args.shrink else ("b", "c", "a")
     for i, arm in enumerate(arms):  # the faulted arms first: each on a pool of its own when there are two
         lanes.setdefault(pools[i % len(pools)], []).append(arm)
     failures: list[str] = []
@@ -344,6 +345,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--restarts-in-job", type=int, default=None, help="arm b's (default: hpcrun's)")
     parser.add_argument("--shrink", action="store_true", help="arm d too (a fourth pool: 0,1,2,3)")
+    parser.add_argument("--arms", default="", help="the arms, faulted ones first (e.g. b,a: arm b beside its "
+                        "baseline only, no other job restarting on the same CPUs); default b,c,a (and d with --shrink)")
     parser.add_argument("--out", type=Path, default=Path("goodput.json"))
     parser.add_argument("--arm", choices=sorted(ARMS), help=argparse.SUPPRESS)  # one arm's driver process
     parser.add_argument("--pool", type=int, default=0, help=argparse.SUPPRESS)
@@ -353,6 +356,8 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))  # tests/faults.py, the fault helpers the tests use
         drive(args.arm, args.pool, args.steps, args.restarts_in_job, args.out)
         return
+    if args.arms and ("a" not in args.arms.split(",") or not set(args.arms.split(",")) <= set(ARMS)):
+        raise SystemExit(f"goodput: --arms: some of {','.join(ARMS)}, arm a among them (got {args.arms})")
     if not 3 <= args.minutes <= 30:  # 3: two checkpoint intervals between faults; 30: partitions allow an hour
         raise SystemExit(f"goodput: --minutes: between 3 and 30 (got {args.minutes})")
     steps = int(args.minutes * 60 / STEP_S)

@@ -197,6 +197,11 @@ class Fault(Frozen):
     requeue. 0: every failure requeues (through the queue). Stops for a signal always requeue. A
     restart costs seconds; a long job meets several faults, and the same-crash rule, not this cap,
     is what stops a crash loop (`checkpoint.max_requeues` still bounds the run)."""
+    warm_standby: bool = True
+    """On SLURM with restarts in the job, the next attempt's ranks wait beside this one's on its nodes,
+    Python and torch imported once it trains, and become the restart on the same nodes (a dead or
+    hung rank) without starting processes (hpcrun.runtime.standby). Costs each rank's idle
+    interpreter in host memory (~0.3-0.5 GB with torch); off: every restart starts its ranks anew."""
     min_nodes: int | None = pydantic.Field(default=None, ge=1)
     """A job that loses a node with no spare left trains on inside its allocation on the nodes it
     still has, down to this many, with the same global batch: the ranks left take the lost ranks'

@@ -12,6 +12,7 @@ import jinja2
 from hpcrun import __version__, rundir, slurm
 from hpcrun.fields import format_minutes
 from hpcrun.plan import RunSpec
+from hpcrun.runtime import standby
 from hpcrun.site import shipped_dirs
 
 # How long a failed training step may outlive its first failed task before the batch script ends
@@ -20,6 +21,7 @@ STEP_GRACE_S = 5
 # while a rank that outlived the failed one still saves its state (rundir.SAVING), up to this long: a 1.3b
 # model's DDP state (15.6 GB) took 12.6 s on an H200 (benchmarks/survivor_save.py, RESULTS.md §7b)
 SAVE_GRACE_S = 60
+STEP_NAME = "hpcrun-attempt"  # and the attempt's number: a training step's name, so a watcher spares the next one
 
 
 def quote(value: object) -> str:
@@ -127,6 +129,14 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         # (whatever the strategy: a sweep's points of one shape share one array script; only DDP's keep any)
         survivors_keep=spec.takes_snapshots and spec.recipe.job.kind != "function",
         save_grace_s=SAVE_GRACE_S,
+        # the next attempt's ranks started early (fault.warm_standby), for restarts in the job
+        standby=spec.recipe.fault.restarts_in_job > 0 and spec.recipe.fault.warm_standby,
+        standby_env=standby.ENV,
+        warm=standby.WARM,
+        go=standby.GO,
+        exit_word=standby.EXIT,
+        step_name=STEP_NAME,
+        progress=rundir.PROGRESS,
         exits=rundir.EXITS,
         saving_suffix=rundir.SAVING,
         srun_ended=slurm.SRUN_ENDED,

@@ -102,12 +102,23 @@ def rank_pid(
                         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
                     except OSError:
                         continue
-                    if b"hpcrun.launch" in cmd:
+                    if b"hpcrun.launch" in cmd and not standing_by(pid, env):
                         return pid, node
         if time.time() >= deadline:
             break
         time.sleep(0.5)
     raise AssertionError(f"no task of rank {rank} of job {allocation_id} on {list(nodes) or NODES}")
+
+
+def standing_by(pid: int, env: dict[str, str]) -> bool:
+    """A warm standby not (yet) told to become its attempt (hpcrun.runtime.standby): still reading the
+    batch script's pipe, where a rank's stdin is /dev/null."""
+    if not env.get("HPCRUN_STANDBY"):
+        return False
+    try:
+        return os.readlink(f"/proc/{pid}/fd/0") != os.devnull
+    except OSError:
+        return False
 
 
 def ranks_alive(allocation_id: str, world: int, attempt: int | None = None) -> list[int]:

@@ -100,19 +100,21 @@ SHELL_GAP_S = 3
 def restart_steps(job: str, world: int = 4) -> list[tuple[int, int, int]]:
     """For each restart inside the job's first start, from SLURM's accounting (whole seconds): the
     failed training step's end to the failure step's start, the failure step's own time, its end
-    to the next training step's start. Training steps have `world` tasks; the failure step, one, is
-    the last step before the next training step."""
+    to the next step of `world` tasks: the restart's own, or with a warm standby (which already
+    runs) the next standby, which the batch script starts as it tells the waiting one to go. The
+    failure step is the one-task step right before it (the watcher's probes come earlier)."""
     steps = sorted((s for s in slurmstats.job_steps(job) if s.start == 0 and s.id.isdigit()), key=lambda s: int(s.id))
-    trained = [i for i, s in enumerate(steps) if s.tasks == world]
     found = []
-    for a, b in zip(trained, trained[1:]):
-        before, after = steps[a], steps[b]
-        failed = [s for s in steps[a + 1:b] if s.tasks == 1]
-        assert failed, f"no failure step between training steps {before.id} and {after.id}: {steps}"
-        step = failed[-1]
-        assert before.ended and step.began and step.ended and after.began, steps
+    for step, after in zip(steps, steps[1:]):
+        if step.tasks != 1 or after.tasks != world:
+            continue
+        assert step.began and step.ended and after.began, steps
+        # the failed training step: the last one begun before it that did not complete (SLURM may count a
+        # step the watcher ended as ending after it: its killed tasks' end)
+        failed = [s for s in steps if s.tasks == world and s.began and s.began <= step.began and s.state != "COMPLETED"]
+        assert failed and failed[-1].ended, f"no failed training step before the failure step {step.id}: {steps}"
         found.append(tuple(int(t.total_seconds()) for t in (
-            step.began - before.ended, step.ended - step.began, after.began - step.ended
+            step.began - failed[-1].ended, step.ended - step.began, after.began - step.ended
         )))
     return found
 
@@ -185,6 +187,9 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     # tier 0: the ranks that outlived rank 3 kept their last completed step; at most the step rank 3
     # died in is trained again (hpcrun.runtime.snapshotsurvivor)
     assert restarted["resumed_from"] == "survivor" and restarted["recomputed_steps"] <= 1, restarted
+    # the restart was the warm standby's ranks (fault.warm_standby), started beside attempt 0, told to go
+    told = [p.read_text().count("[hpcrun] standby: becoming attempt 1") for p in (run_dir / "logs").glob("*_log.err")]
+    assert sorted(told) == [1] * 4, told
     assert stepped >= released and restarted["restart_wait_s"] >= 2, (stepped - released, restarted["restart_wait_s"])
     recorded = failed["end_time"].timestamp()  # the failure step's row
     gaps = restart_steps(job)

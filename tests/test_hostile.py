@@ -34,7 +34,10 @@ PAYLOADS = [
 # (srun also the environment it was handed) and runs nothing it was given.
 STUBS = ["srun", "sbatch", "module", "python", "apptainer", "singularity", "enroot"]
 STUB = """#!/bin/sh
-{{ printf '%s' "$(basename "$0")"; printf ' %s' "$@"; echo " | MASTER_ADDR=$MASTER_ADDR MY_FLAG=$MY_FLAG"; }} >>{log}
+line=$(basename "$0")
+for word in "$@"; do line="$line $word"; done
+# one write: a step's srun and its standby's run at once
+printf '%s\\n' "$line | MASTER_ADDR=$MASTER_ADDR MY_FLAG=$MY_FLAG HPCRUN_STANDBY=$HPCRUN_STANDBY" >>{log}
 """
 # srun also keeps each call's exact words (NUL-separated, one file per call), and the failure
 # step's stdin; the launch exits with {status} after srun's message for a failed task.
@@ -144,7 +147,7 @@ def check_failure_step(tmp: Path, site: dict[str, tp.Any], what: str) -> None:
     messages on its stdin."""
     calls = srun_calls(tmp)
     steps = [(words, stdin) for words, stdin in calls if "hpcrun.runtime.failure" in words]
-    (launch,) = [words for words, _ in calls if "hpcrun.launch" in words]
+    launch = next(words for words, _ in calls if "hpcrun.launch" in words)  # the step's (then its standby's)
     assert len(steps) == 1, f"{what}: {calls}"
     words, stdin = steps[0]
     python = python_words(site)
@@ -283,8 +286,14 @@ def test_rendered_script_runs_every_line(site: dict[str, tp.Any], recipe: str, l
     lines = calls.splitlines()
     assert any(line.startswith("module load ") for line in lines), calls
     assert ("setup" in lines) == (site is not SITE_CONTAINER), calls
-    (task,) = [line for line in lines if "-m hpcrun.launch" in line]
-    assert task.startswith("srun ") and launch in task, task
+    task, *standby = [line for line in lines if "-m hpcrun.launch" in line]
+    assert task.startswith("srun ") and launch in task and task.endswith("HPCRUN_STANDBY="), task
+    # the next attempt's ranks, waiting (fault.warm_standby, on by default with restarts in the job): the same
+    # srun but for the step's name (its attempt's)
+    assert len(standby) == 1 and standby[0].endswith("HPCRUN_STANDBY=1"), calls
+    def unnamed(line: str) -> list[str]:
+        return [word for word in line.rsplit("|", 1)[0].split() if not word.startswith("--job-name=")]
+    assert unnamed(standby[0]) == unnamed(task), (standby, task)
     expected = "MASTER_ADDR=node1-ib" if site is not SITE_CONTAINER else "MASTER_ADDR=node1 "
     assert expected in task and "MY_FLAG=value" in task, task
     if recipe == "zero-infinity":

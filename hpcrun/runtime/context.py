@@ -69,6 +69,7 @@ class Context:
         self.restored: dict[str, tp.Any] = {}  # the trainer state this attempt resumed from
         self.step_metrics: dict[str, float] = {}  # what `log` was given during the current step
         self.recorder: StepRecorder | None = None
+        self.loop: tp.Generator[int, None, None] | None = None  # `steps`, while a job iterates it
         # the training thread's time in each part of hpcrun's per-step work, saves apart
         self.own_s = dict.fromkeys(("stop vote", "checkpoint poll", "metrics", "watchdog"), 0.0)
         self.vote = StopVote(env, flag)
@@ -124,6 +125,16 @@ class Context:
         (hpcrun.runtime.steps), disk checkpoints and in-memory snapshots when their cadence
         (hpcrun.runtime.cadence) says, and the collective decision to stop on a signal
         (checkpoint, then leave the loop)."""
+        self.loop = self._steps()
+        return self.loop
+
+    def end_loop(self) -> None:
+        """After a failure: the loop's end (its metrics written, its watchdog stopped) now, not when the
+        interpreter would free the job's frames, which a failed rank skips (hpcrun.launch)."""
+        if self.loop is not None:
+            self.loop.close()
+
+    def _steps(self) -> tp.Generator[int, None, None]:
         total = self.recipe.training.steps
         self.recorder = recorder = StepRecorder(self, total)
         env = self.env

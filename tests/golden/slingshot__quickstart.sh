@@ -45,7 +45,7 @@ held_nodes() {  # the nodes SLURM says the job holds now; its start's list when 
   echo "${held:-$SLURM_JOB_NODELIST}"
 }
 unset HPCRUN_SLURM_PROXY  # a job submitted from inside another job's container must not use its tool loop
-trap 'rm -f "$srun_stderr" "$srun_stderr.status" "$srun_stderr.next" "$srun_stderr.ending" "$srun_stderr".probes*
+trap 'rm -f "$srun_stderr" "$srun_stderr".*
   kill -KILL "$slurm_tools" 2>/dev/null || true; rm -rf "$HPCRUN_SLURM_PROXY"
   held=$(held_nodes)
   count=$(scontrol show hostnames "$held" | wc -l)
@@ -114,6 +114,33 @@ mkdir -p "${starts%/*}"
 restarts_in_job=0
 this_job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
 this_job=${this_job:-$SLURM_JOB_ID}
+master_port() { echo $((20000 + (SLURM_JOB_ID + 997 * $1) % 12000)); }  # an attempt's own (the last one's may linger in TIME_WAIT)
+# One training step's srun, in the background, on $nodes: srun's messages kept in $1 (and shown as they
+# come), its exit status in $1.status; its tasks' stdin from $2 (else none, as for any background command)
+start_step() {
+  ( trap '' USR2 TERM
+    set +e
+    srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes="$step_count" --ntasks=$((step_count * 2)) \
+    --ntasks-per-node=2 --nodelist="$nodes" --job-name="hpcrun-attempt$HPCRUN_ATTEMPT" \
+    --output=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
+  apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
+    python -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee -a "$1" >&2
+    echo "${PIPESTATUS[0]}" >"$1.status" ) <"${2:-/dev/null}" &
+}
+# A warm standby (fault.warm_standby): the next attempt's ranks, started on this attempt's nodes with the
+# next attempt's environment and told by a line on their stdin (hpcrun.runtime.standby): `warm` once
+# this attempt trains, `go` to be the restart when it stays on these nodes, else `exit`.
+standby= standby_nodes= standby_in=
+end_standby() {  # $1 (any word): wait for its step to end, a few seconds at most
+  [ -n "$standby" ] || return 0
+  echo exit >&"$standby_in" 2>/dev/null
+  exec {standby_in}>&-
+  if [ -n "${1:-}" ]; then
+    for _ in $(seq 100); do kill -0 "$standby" 2>/dev/null || break; sleep 0.1; done
+    pkill -KILL -P "$standby" -x srun 2>/dev/null || true
+  fi
+  standby=
+}
 while :; do
   # hpcrun's attempt number: every start of the step in this job, requeues and restarts in it alike
   HPCRUN_ATTEMPT=0
@@ -123,34 +150,45 @@ while :; do
   # the job's first nodes; fewer after a lost node with none to take its place (fault.min_nodes): the
   # ranks left take the lost ones' share of the global batch
   step_count=$(printf '%s\n' ${nodes//,/ } | wc -l)
-  # Rendezvous on the step's first node, spelled as its high-speed hostname; a port of this attempt's
-  # (the last one's may linger in TIME_WAIT)
+  # Rendezvous on the step's first node, spelled as its high-speed hostname
   export MASTER_ADDR="${nodes%%,*}"
-  export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 997 * HPCRUN_ATTEMPT) % 12000))
-  rm -f "$srun_stderr.next" "$srun_stderr.status" "$srun_stderr.ending"
+  export MASTER_PORT=$(master_port "$HPCRUN_ATTEMPT")
+  err="$srun_stderr.$HPCRUN_ATTEMPT"  # this attempt's srun messages
+  rm -f "$srun_stderr.next" "$srun_stderr.ending"
   probes="$srun_stderr.probes$restarts_in_job"  # this start's: an earlier start's late probe writes its own
-  : >"$srun_stderr"
   # Only while the job runs: SLURM's own SIGTERM (a requeue, preemption, cancel, the time limit) finds it
   # ending, and scancel retries on an ending job until KillWait's SIGKILL, holding a requeue that long.
   # An array's task by its own id: the array's job id would signal every task of the sweep.
   trap 'scancel -Q --state=RUNNING --signal=USR2 "$this_job" || true' USR2
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
-  ( trap '' USR2 TERM
-    set +e
-    srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes="$step_count" --ntasks=$((step_count * 2)) \
-    --ntasks-per-node=2 --nodelist="$nodes" \
-    --output=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.out --error=/pscratch/golden/hpcrun/runs/20260101-000000-0000-golden/logs/%j_%t_log.err \
-  apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
-    python -u -m hpcrun.launch "$run_dir" 2>&1 >&3 3>&- | tee -a "$srun_stderr" >&2
-    echo "${PIPESTATUS[0]}" >"$srun_stderr.status" ) &
-  step=$!
+  if [ -n "$standby" ] && [ "$standby_nodes" = "$nodes" ] && kill -0 "$standby" 2>/dev/null; then
+    echo go >&"$standby_in"  # its srun's messages already go to $err
+    exec {standby_in}>&-
+    step=$standby standby=
+  else
+    end_standby
+    : >"$err"
+    start_step "$err"
+    step=$!
+  fi
+  if [ "$restarts_in_job" -lt 5 ]; then
+    # the next attempt's ranks, should this one fail; a pipe of their own (a promoted standby's srun
+    # still has the one before)
+    next=$((HPCRUN_ATTEMPT + 1))
+    mkfifo "$srun_stderr.in$next"
+    exec {standby_in}<>"$srun_stderr.in$next"
+    : >"$srun_stderr.$next"
+    HPCRUN_ATTEMPT=$next HPCRUN_RESTARTS_IN_JOB=$((restarts_in_job + 1)) MASTER_PORT=$(master_port "$next") \
+      HPCRUN_STANDBY=1 start_step "$srun_stderr.$next" "$srun_stderr.in$next"
+    standby=$! standby_nodes=$nodes
+  fi
   # srun waits for every task to report its end, and a lost node's never do: once a task has
   # failed, a step still there 5 s later is ended by a watcher beside it (its tasks on live
   # nodes are gone). SLURM counts such a step as running until it drops the lost node: the steps
   # after it --overlap. This shell waits for the step itself, so a restart starts as it ends.
   ( trap '' USR2 TERM
     set +e  # a failed log write must not end the watch
-    attempt=$HPCRUN_ATTEMPT
+    attempt=$HPCRUN_ATTEMPT began=$SECONDS
     unset HPCRUN_ATTEMPT  # its children are no attempt's processes a restart waits for
     failed_at=
     # a rank that outlived the failed one saves its state first (hpcrun.runtime.snapshotsurvivor): the
@@ -159,9 +197,21 @@ while :; do
       local marks=("$run_dir"/exits/"$this_job-$attempt"-rank*.saving)  # only the * a pattern
       [ -e "${marks[0]}" ] && [ $((SECONDS - failed_at)) -lt 60 ]
     }
+    warmed= trained="$srun_stderr.trained$attempt"
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
-      if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$srun_stderr" 2>/dev/null; then
+      # the standby imports once this attempt trains on, past its start-up: rank 0's progress written again
+      # after its start's (a flush: metrics.flush_seconds, or a checkpoint), or a minute in
+      progress="$run_dir"/progress.json
+      if [ -n "$standby" ] && [ -z "$warmed" ]; then
+        if [ ! -e "$trained" ] && [ "$progress" -nt "$starts" ]; then
+          touch "$trained"
+        elif { [ -e "$trained" ] && [ "$progress" -nt "$trained" ]; } || [ "$SECONDS" -ge $((began + 60)) ]; then
+          echo warm >&"$standby_in" 2>/dev/null
+          warmed=1
+        fi
+      fi
+      if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$err" 2>/dev/null; then
         failed_at=$SECONDS
         # The step's nodes probed now, beside SLURM's clients (the ranks' container may have none),
         # read only if the step must be ended: a live node runs a step of `true` at once, a lost one
@@ -175,15 +225,15 @@ while :; do
           echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
       elif [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge 5 ] && ! saving; then
         : >"$srun_stderr.ending"
-        echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$srun_stderr" >&2
+        echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$err" >&2
         pkill -KILL -P "$step" -x srun || true
         # and the step's tasks still on live nodes: the signal leaves at once, but scancel waits
         # ~MessageTimeout for a lost node's answer, so in the background (the probes' steps too). A
         # restart's ranks wait for what is left of them on their node (hpcrun.runtime.predecessors)
-        for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+        for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
           case $s in
-            *.batch|*.extern) ;;
-            *) timeout 30 scancel --signal=KILL "$s" </dev/null >/dev/null 2>&1 3>&- & ;;
+            *.batch,*|*.extern,*|*,hpcrun-attempt$((attempt + 1))) ;;  # not the next attempt's standby
+            *) timeout 30 scancel --signal=KILL "${s%%,*}" </dev/null >/dev/null 2>&1 3>&- & ;;
           esac
         done
         break
@@ -195,11 +245,13 @@ while :; do
   [ -e "$srun_stderr.ending" ] || kill -KILL "$watcher" 2>/dev/null || true
   # reaped here, where bash's "Killed" notice goes nowhere; a trapped signal ends `wait` early
   until wait "$watcher" 2>/dev/null || ! kill -0 "$watcher" 2>/dev/null; do :; done
-  step_status=$(cat "$srun_stderr.status" 2>/dev/null || true)
+  step_status=$(cat "$err.status" 2>/dev/null || true)
   step_status=${step_status:-1}  # no status: the subshell was killed
   # the ranks are gone: a stop has no step to reach, and this shell must outlive the failure step
   trap '' USR2 TERM
   [ "$step_status" -ne 0 ] || break
+  # ready for the restart the failure step may name: no import left to do
+  [ -z "$standby" ] || echo warm >&"$standby_in" 2>/dev/null || true
   if [ -e "$srun_stderr.ending" ]; then
     # the watcher's probes, begun when the first task failed: their answers, or their time out
     for _ in $(seq $(( (5 + 5) * 5 ))); do [ -e "$probes" ] && break; sleep 0.2; done
@@ -214,10 +266,11 @@ while :; do
   HPCRUN_PROBES="$probes" HPCRUN_NEXT_NODES="$srun_stderr.next" srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 \
     --nodelist="$SLURMD_NODENAME" \
   apptainer exec --nv --bind /pscratch /global/common/images/pytorch.sif \
-    python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$srun_stderr" \
+    python -m hpcrun.runtime.failure "$run_dir" "$step_status" <"$err" \
     || echo "[hpcrun] the failure step exited $? (none starts once SLURM ends or requeues the job)" >&2
   [ -s "$srun_stderr.next" ] || break
   nodes=$(cat "$srun_stderr.next")
   restarts_in_job=$((restarts_in_job + 1))
 done
+end_standby wait
 exit "$step_status"
