@@ -139,6 +139,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         progress=rundir.PROGRESS,
         exits=rundir.EXITS,
         saving_suffix=rundir.SAVING,
+        silent_suffix=rundir.SILENT,
         srun_ended=slurm.SRUN_ENDED,
         probe_s=slurm.PROBE_S,
         proxied=slurm.PROXIED,

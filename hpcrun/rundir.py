@@ -38,6 +38,7 @@ PROGRESS = "progress.json"
 TENSORBOARD = "tensorboard"
 EXITS = "exits"
 SAVING = ".saving"  # exits/<job>-<attempt>-rank<r>.saving: a survivor's save under way
+SILENT = ".silent"  # exits/<job>-<attempt>-rank<r>.silent: the pulse ring named rank r silent
 SURVIVOR_CLAIM = "survivor-"  # <node's snapshot dir of a run>/survivor-<attempt>-step-N: who writes step N there
 STARTS = "starts"  # starts/<SLURM job id>: one line per start of the training step (the batch script's count)
 LEDGER = "ledger.json"
@@ -252,6 +253,11 @@ class RunDir:
         """There while a rank that outlived a failure saves its state (hpcrun.runtime.snapshotsurvivor):
         the batch script's watcher gives the step longer to end while one is (templates/sbatch.sh.j2)."""
         return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}{SAVING}"
+
+    def named_silent(self, job_id: str, attempt: int, rank: int) -> Path:
+        """There once the rank after `rank` in the pulse ring found it silent: with every other rank's exit
+        record, the batch script's watcher need not wait out its grace for the step (templates/sbatch.sh.j2)."""
+        return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}{SILENT}"
 
     def heartbeat(self, job_id: str, attempt: int, rank: int) -> Path:
         """A rank's last completed step and when (hpcrun.runtime.watchdog): how the ranks whose

@@ -22,6 +22,7 @@ import yaml
 from hpcrun import rundir
 from hpcrun.rundir import RunDir
 from hpcrun.runtime import failure
+from hpcrun.slurm import SRUN_ENDED
 from tests import faults, pool, slurmstats
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
@@ -250,6 +251,10 @@ def test_hung_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path) -
         f"next step {to_restart} s"
     )
     assert fire <= 5 + 0.5 + 3, f"rank 0 saw the stop {fire:.1f} s after it"
+    # ranks 0-2 recorded their failure, rank 3 was named silent: the batch script ended the step then, not
+    # once its grace was over (rundir.named_silent)
+    said = next((run_dir / "logs").glob("*_0_log.err")).read_text()
+    assert f"{SRUN_ENDED}: every rank recorded its failure or was named silent" in said, said[-3000:]
     assert max(to_failure, to_restart) <= SHELL_GAP_S, (to_failure, to_restart)
     table = rows(tmp_path, run_dir).sort_values("attempt").to_dict("records")
     failed = [r for r in table if r["status"] == "failed"]

@@ -135,6 +135,9 @@ def test_a_stopped_peer_ends_the_attempt_in_seconds_naming_it(tmp_path: Path) ->
     said = json.loads(record.read_text())
     assert said["error"] == f"{failure.PEER_SILENT}: rank 0 on testhost" and said["rank"] == 1, said
     assert time.monotonic() - stopped < 60  # the pulse's 4 s, not the 600 s hang timeout
+    # rank 0 marked silent for the batch script's watcher, which then need not wait for its task
+    assert RunDir(tmp_path).named_silent("7", 0, 0).exists()
+    assert not RunDir(tmp_path).named_silent("7", 0, 1).exists()
 
 
 def test_a_rank_busy_on_a_core_is_not_hung_until_the_cap(tmp_path: Path) -> None:

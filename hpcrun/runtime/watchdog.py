@@ -177,6 +177,12 @@ class Watchdog:
         """The rank before this one in the pulse ring is silent: it stopped, died or lost its node."""
         assert self.pulse is not None
         watched = self.pulse.watched
+        try:  # it will never record its own end: the step's end need not wait for it (rundir.named_silent)
+            mark = self.run_dir.named_silent(self.job_id, self.attempt, self.pulse.previous)
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError as exc:
+            self.say(f"silent rank not marked: {exc}")
         self.end(f"{watched} silent for {quiet:.1f} s (fault.peer_timeout_s): ending this attempt",
                  f"{failure.PEER_SILENT}: {watched}", stacks=False)
 
