@@ -12,7 +12,6 @@ import jinja2
 from hpcrun import __version__, rundir, slurm
 from hpcrun.fields import format_minutes
 from hpcrun.plan import RunSpec
-from hpcrun.runtime import standby
 from hpcrun.site import shipped_dirs
 
 # How long a failed training step may outlive its first failed task before the batch script ends
@@ -131,10 +130,10 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         save_grace_s=SAVE_GRACE_S,
         # the next attempt's ranks started early (fault.warm_standby), for restarts in the job
         standby=spec.recipe.fault.restarts_in_job > 0 and spec.recipe.fault.warm_standby,
-        standby_env=standby.ENV,
-        warm=standby.WARM,
-        go=standby.GO,
-        exit_word=standby.EXIT,
+        standby_env=slurm.STANDBY_ENV,
+        warm=slurm.STANDBY_WARM,
+        go=slurm.STANDBY_GO,
+        exit_word=slurm.STANDBY_EXIT,
         step_name=STEP_NAME,
         progress=rundir.PROGRESS,
         exits=rundir.EXITS,

@@ -309,6 +309,10 @@ def my_allocations() -> list[str]:
 
 # The batch script's word, in srun's messages, when it ended an srun whose lost tasks never reported
 SRUN_ENDED = "[hpcrun] srun ended by the batch script"
+# A warm standby's environment variable and the batch script's words to it, a line each on its stdin
+# (hpcrun.runtime.standby): import now, become the next attempt, leave
+STANDBY_ENV = "HPCRUN_STANDBY"
+STANDBY_WARM, STANDBY_GO, STANDBY_EXIT = "warm", "go", "exit"
 # How long the batch script's probe of a node (a step of `true`) and of the controller may take (a live one:
 # milliseconds)
 PROBE_S = 5

@@ -22,10 +22,12 @@ import time
 import typing as tp
 
 from hpcrun.signals import SignalFlag
+from hpcrun.slurm import STANDBY_ENV as ENV
+from hpcrun.slurm import STANDBY_EXIT as EXIT
+from hpcrun.slurm import STANDBY_GO as GO
+from hpcrun.slurm import STANDBY_WARM as WARM
 
-WARM, GO, EXIT = "warm", "go", "exit"
-ENV = "HPCRUN_STANDBY"
-"""Set (to 1) in a standby's environment by the batch script."""
+__all__ = ["ENV", "EXIT", "GO", "WARM", "release", "wait", "warm_up"]
 POLL_S = 1.0  # how often a waiting standby looks at its stop flag
 
 

@@ -131,14 +131,16 @@ start_step() {
 # next attempt's environment and told by a line on their stdin (hpcrun.runtime.standby): `warm` once
 # this attempt trains, `go` to be the restart when it stays on these nodes, else `exit`.
 standby= standby_nodes= standby_in=
-end_standby() {  # $1 (any word): wait for its step to end, a few seconds at most
+end_standby() {  # $1 (any word): let its step end by itself first, a few seconds at most
   [ -n "$standby" ] || return 0
   echo exit >&"$standby_in" 2>/dev/null
   exec {standby_in}>&-
   if [ -n "${1:-}" ]; then
     for _ in $(seq 100); do kill -0 "$standby" 2>/dev/null || break; sleep 0.1; done
-    pkill -KILL -P "$standby" -x srun 2>/dev/null || true
   fi
+  # its srun: one with a task on a lost node would never end (and a restart's ranks wait for what is
+  # left of earlier attempts); its tasks leave on the word, or on their input's end
+  pkill -KILL -P "$standby" -x srun 2>/dev/null || true
   standby=
 }
 while :; do
