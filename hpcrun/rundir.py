@@ -255,8 +255,8 @@ class RunDir:
         return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}{SAVING}"
 
     def named_silent(self, job_id: str, attempt: int, rank: int) -> Path:
-        """There once the rank after `rank` in the pulse ring found it silent: with every other rank's exit
-        record, the batch script's watcher need not wait out its grace for the step (templates/sbatch.sh.j2)."""
+        """There once the rank after `rank` in the pulse ring found it silent, recorded that and kept its state:
+        the batch script's watcher ends the step then, not after its grace (templates/sbatch.sh.j2)."""
         return self.path / EXITS / f"{job_id}-{attempt}-rank{rank}{SILENT}"
 
     def heartbeat(self, job_id: str, attempt: int, rank: int) -> Path:

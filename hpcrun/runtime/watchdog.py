@@ -177,16 +177,12 @@ class Watchdog:
         """The rank before this one in the pulse ring is silent: it stopped, died or lost its node."""
         assert self.pulse is not None
         watched = self.pulse.watched
-        try:  # it will never record its own end: the step's end need not wait for it (rundir.named_silent)
-            mark = self.run_dir.named_silent(self.job_id, self.attempt, self.pulse.previous)
-            mark.parent.mkdir(parents=True, exist_ok=True)
-            mark.touch()
-        except OSError as exc:
-            self.say(f"silent rank not marked: {exc}")
         self.end(f"{watched} silent for {quiet:.1f} s (fault.peer_timeout_s): ending this attempt",
-                 f"{failure.PEER_SILENT}: {watched}", stacks=False)
+                 f"{failure.PEER_SILENT}: {watched}", stacks=False, silent=self.pulse.previous)
 
-    def end(self, line: str, error: str, stacks: bool) -> tp.NoReturn:
+    def end(self, line: str, error: str, stacks: bool, silent: int | None = None) -> tp.NoReturn:
+        """The exit record, the survivor's save (`on_end`), and the end of this process; `silent`: the rank the
+        pulse ring found silent, marked last (rundir.named_silent: the batch script ends the step then)."""
         try:
             self.say(line)
             if stacks:
@@ -209,4 +205,11 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001 - the exit still comes
             self.say(f"survivor's save failed: {type(exc).__name__}: {exc}")
         finally:
+            if silent is not None:
+                try:
+                    mark = self.run_dir.named_silent(self.job_id, self.attempt, silent)
+                    mark.parent.mkdir(parents=True, exist_ok=True)
+                    mark.touch()
+                except OSError as exc:
+                    self.say(f"silent rank not marked: {exc}")
             os._exit(EXIT_HUNG)  # the stuck main thread never reaches a clean exit

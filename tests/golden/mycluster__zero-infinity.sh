@@ -169,14 +169,11 @@ while :; do
       local marks=("$run_dir"/exits/"$this_job-$attempt"-rank*.saving)  # only the * a pattern
       [ -e "${marks[0]}" ] && [ $((SECONDS - failed_at)) -lt 60 ]
     }
-    # every rank of the step has recorded its failure (its exit record) or been named silent by the pulse
-    # ring (a stopped rank, which never will; one at least): no reason left to wait out the grace
-    ranks=$((step_count * 2))
-    accounted() {
+    # the pulse ring named a rank silent, once its namer had recorded that and kept its state: the ranks
+    # still there wait in a collective for the silent one, which never returns (stopped, or its node lost)
+    named() {
       local marks=("$run_dir"/exits/"$this_job-$attempt"-rank*.silent)
-      [ -e "${marks[0]}" ] || return 1
-      [ "$(cd "$run_dir"/exits && ls -1 -- "$this_job-$attempt"-rank*.json "$this_job-$attempt"-rank*.silent \
-        2>/dev/null | sed 's/.*-rank\([0-9]*\)\..*/\1/' | sort -u | wc -l)" -ge "$ranks" ]
+      [ -e "${marks[0]}" ]
     }
     warmed= trained="$srun_stderr.trained$attempt"
     while kill -0 "$step" 2>/dev/null; do
@@ -204,12 +201,12 @@ while :; do
             --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
           timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
           echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
-      elif [ -n "$failed_at" ] && ! saving && { [ $((SECONDS - failed_at)) -ge 5 ] || accounted; }; then
+      elif [ -n "$failed_at" ] && ! saving && { [ $((SECONDS - failed_at)) -ge 5 ] || named; }; then
         : >"$srun_stderr.ending"
         if [ $((SECONDS - failed_at)) -ge 5 ]; then
           echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$err" >&2
         else
-          echo '[hpcrun] srun ended by the batch script: every rank recorded its failure or was named silent' | tee -a "$err" >&2
+          echo '[hpcrun] srun ended by the batch script: the pulse ring named a rank silent' | tee -a "$err" >&2
         fi
         pkill -KILL -P "$step" -x srun || true
         # and the step's tasks still on live nodes: the signal leaves at once, but scancel waits
