@@ -25,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpcrun.launch RUN_DIR", file=sys.stderr)
         return 2
-    if os.environ.get(standby.ENV):  # the next attempt's ranks, started early (hpcrun.runtime.standby)
-        if not standby.wait(FLAG):
-            return 0
+    if os.environ.pop(standby.ENV, None):  # the next attempt's ranks, started early (hpcrun.runtime.standby)
+        status = standby.wait(FLAG)
+        if status is not None:
+            return status
         print(f"[hpcrun] standby: becoming attempt {os.environ.get('HPCRUN_ATTEMPT')}", file=sys.stderr, flush=True)
     import torch  # the rank imports it next anyway; first its version decides whether the rank runs
 
@@ -46,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_attempt(str(RunDir(args[0]).spec))
     except Exception:
-        # The failure is recorded (its exit record; a survivor's state kept): what the interpreter's
-        # teardown would still do (the process group's destructors, ~1.3 s on the test cluster) only
-        # delays the step's end, which the restart waits for. The traceback goes to this rank's log.
+        # A failed rank (its exit record written, a survivor's state kept, where its attempt got that far):
+        # the interpreter's teardown (the process group's destructors, ~1.3 s on the test cluster) would
+        # only delay the step's end, which the restart waits for. The traceback goes to this rank's log.
         sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         sys.stderr.flush()

@@ -72,10 +72,6 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
         status, reason = "failed", str(exc) if raised else f"{type(exc).__name__}: {exc}"
         if not raised:  # a peer's death, or this rank's own error: the state of the last completed step stays
             ctx.keep_survivor_state(SURVIVOR_WAIT_S)
-        try:
-            ctx.end_loop()
-        except Exception as ended:  # noqa: BLE001 - the failure is recorded whatever the loop's end does
-            ctx.info(f"ending the loop after the failure: {type(ended).__name__}: {ended}")
         if spec.scheduler == "slurm":  # recorded once, after srun, by hpcrun.runtime.failure
             latest = ctx.measured.latest  # the end of this rank's last completed step: where detection starts
             failure.write_exit_record(ctx.run_dir, env.job_id, env.attempt, env.rank, reason, ctx.step,
@@ -83,6 +79,10 @@ def run(spec: RunSpec) -> dict[str, tp.Any]:
                                       stepped=ctx.measured.unix_time(latest) if latest and latest.steps else None)
         else:  # locally the first failing rank records the attempt (finish keeps the first)
             finish(ctx, status, reason, collective=False)
+        try:  # after the record: the watcher may end the step once the survivors' saves are done
+            ctx.end_loop()
+        except Exception as ended:  # noqa: BLE001 - the failure is recorded whatever the loop's end does
+            ctx.info(f"ending the loop after the failure: {type(ended).__name__}: {ended}")
         raise
     if ctx.engine is not None and status == "completed" and spec.recipe.checkpoint.export_final:
         export_final(ctx)

@@ -7,7 +7,8 @@ same lines):
 - `go`: a dead or hung rank failed the attempt and the failure step restarts it on the same nodes: the
   standby is that restart. Its environment (HPCRUN_ATTEMPT, MASTER_PORT, ...) was the next attempt's
   from its start, so it runs on as a rank started then would;
-- `exit`, end of input (the batch script is gone) or a stop signal: it was not needed.
+- `exit`: it was not needed (status 0); end of input (the batch script or srun gone) or a stop signal:
+  neither (status UNTOLD).
 
 Imports no torch until told `warm` (or `go`): a standby costs an idle interpreter until the attempt
 beside it has started, and the import competes with nothing then.
@@ -41,20 +42,25 @@ def warm_up() -> float:
     return time.perf_counter() - began
 
 
-def wait(flag: SignalFlag, fd: int = 0, warm: tp.Callable[[], float] = warm_up) -> bool:
-    """Wait for the batch script's word on `fd`: True when told `go` (warmed by then), False for
-    `exit`, end of input or a stop signal. Reads the descriptor itself, not through a buffered
-    stream, so that two lines sent together are both seen."""
+UNTOLD = 3
+"""A standby's exit status when it leaves untold (end of input, a stop signal): were it taken for the
+restart meanwhile, the step fails rather than passing for a completed training."""
+
+
+def wait(flag: SignalFlag, fd: int = 0, warm: tp.Callable[[], float] = warm_up) -> int | None:
+    """Wait for the batch script's word on `fd`: None when told `go` (warmed by then), else the exit
+    status to leave with: 0 for `exit`, UNTOLD at the end of input or on a stop signal. Reads the
+    descriptor itself, not through a buffered stream, so that two lines sent together are both seen."""
     pending, warmed = b"", False
     while True:
         ready, _, _ = select.select([fd], [], [], POLL_S)
         if flag.signum is not None:  # the job is stopping or requeueing: no restart will come
-            return False
+            return UNTOLD
         if not ready:
             continue
         data = os.read(fd, 4096)
         if not data:
-            return False
+            return UNTOLD
         pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
@@ -64,9 +70,9 @@ def wait(flag: SignalFlag, fd: int = 0, warm: tp.Callable[[], float] = warm_up) 
                 print(f"[hpcrun] standby: warm in {took:.1f} s", file=sys.stderr, flush=True)
             if word == GO:
                 release(fd)
-                return True
+                return None
             if word == EXIT:
-                return False
+                return 0
 
 
 def release(fd: int) -> None:

@@ -35,6 +35,7 @@ held_nodes() {  # the nodes SLURM says the job holds now; its start's list when 
   echo "${held:-$SLURM_JOB_NODELIST}"
 }
 unset HPCRUN_SLURM_PROXY  # a job submitted from inside another job's container must not use its tool loop
+unset HPCRUN_STANDBY  # nor be another job's standby
 trap 'rm -f "$srun_stderr" "$srun_stderr".*
   held=$(held_nodes)
   count=$(scontrol show hostnames "$held" | wc -l)
@@ -74,6 +75,7 @@ master_port() { echo $((20000 + (SLURM_JOB_ID + 997 * $1) % 12000)); }  # an att
 start_step() {
   ( trap '' USR2 TERM
     set +e
+    [ -z "$standby_in" ] || exec {standby_in}>&-  # the standby's pipe: its readers see its end when the shell goes
     srun --unbuffered --kill-on-bad-exit=0 --overlap --nodes="$step_count" --ntasks=$((step_count * 2)) \
     --ntasks-per-node=2 --nodelist="$nodes" --job-name="hpcrun-attempt$HPCRUN_ATTEMPT" \
     --output=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.out --error=/var/tmp/hpcrun-testcluster/runs/20260101-000000-0000-golden.warmup/logs/%j_%t_log.err \
@@ -83,7 +85,7 @@ start_step() {
 # A warm standby (fault.warm_standby): the next attempt's ranks, started on this attempt's nodes with the
 # next attempt's environment and told by a line on their stdin (hpcrun.runtime.standby): `warm` once
 # this attempt trains, `go` to be the restart when it stays on these nodes, else `exit`.
-standby= standby_nodes= standby_in=
+standby= standby_nodes= standby_in= standby_err=
 end_standby() {  # $1 (any word): let its step end by itself first, a few seconds at most
   [ -n "$standby" ] || return 0
   echo exit >&"$standby_in" 2>/dev/null
@@ -92,9 +94,17 @@ end_standby() {  # $1 (any word): let its step end by itself first, a few second
     for _ in $(seq 100); do kill -0 "$standby" 2>/dev/null || break; sleep 0.1; done
   fi
   # its srun: one with a task on a lost node would never end (and a restart's ranks wait for what is
-  # left of earlier attempts); its tasks leave on the word, or on their input's end
+  # left of earlier attempts); its tasks leave on the word, or on their input's end, and the step
+  # with them (or, with a lost node's, by scancel)
   pkill -KILL -P "$standby" -x srun 2>/dev/null || true
+  local name=hpcrun-attempt$((HPCRUN_ATTEMPT + 1))
+  { for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
+      [ "${s#*,}" != "$name" ] || timeout 30 scancel --signal=KILL "${s%%,*}"
+    done; } </dev/null >/dev/null 2>&1 3>&- &
   standby=
+}
+ready() {  # the standby can be the restart: its srun runs, none of its tasks ended
+  kill -0 "$standby" 2>/dev/null && [ ! -e "$standby_err.status" ] && ! grep -q '^srun: error' "$standby_err" 2>/dev/null
 }
 while :; do
   # hpcrun's attempt number: every start of the step in this job, requeues and restarts in it alike
@@ -108,7 +118,7 @@ while :; do
   # Rendezvous on the step's first node, spelled as its high-speed hostname
   export MASTER_ADDR="${nodes%%,*}"
   export MASTER_PORT=$(master_port "$HPCRUN_ATTEMPT")
-  err="$srun_stderr.$HPCRUN_ATTEMPT"  # this attempt's srun messages
+  err="$srun_stderr.$HPCRUN_ATTEMPT"  # this attempt's srun messages (a standby's: its own)
   rm -f "$srun_stderr.next" "$srun_stderr.ending"
   probes="$srun_stderr.probes$restarts_in_job"  # this start's: an earlier start's late probe writes its own
   # Only while the job runs: SLURM's own SIGTERM (a requeue, preemption, cancel, the time limit) finds it
@@ -116,10 +126,10 @@ while :; do
   # An array's task by its own id: the array's job id would signal every task of the sweep.
   trap 'scancel -Q --state=RUNNING --signal=USR2 "$this_job" || true' USR2
   trap 'scancel -Q --state=RUNNING --signal=TERM "$this_job" || true' TERM
-  if [ -n "$standby" ] && [ "$standby_nodes" = "$nodes" ] && kill -0 "$standby" 2>/dev/null; then
-    echo go >&"$standby_in"  # its srun's messages already go to $err
+  if [ -n "$standby" ] && [ "$standby_nodes" = "$nodes" ] && ready; then
+    echo go >&"$standby_in"
     exec {standby_in}>&-
-    step=$standby standby=
+    step=$standby standby= err=$standby_err
   else
     end_standby
     : >"$err"
@@ -129,12 +139,12 @@ while :; do
   if [ "$restarts_in_job" -lt 5 ]; then
     # the next attempt's ranks, should this one fail; a pipe of their own (a promoted standby's srun
     # still has the one before)
-    next=$((HPCRUN_ATTEMPT + 1))
+    next=$((HPCRUN_ATTEMPT + 1)) standby_err="$srun_stderr.standby$((HPCRUN_ATTEMPT + 1))"
     mkfifo "$srun_stderr.in$next"
     exec {standby_in}<>"$srun_stderr.in$next"
-    : >"$srun_stderr.$next"
+    : >"$standby_err"
     HPCRUN_ATTEMPT=$next HPCRUN_RESTARTS_IN_JOB=$((restarts_in_job + 1)) MASTER_PORT=$(master_port "$next") \
-      HPCRUN_STANDBY=1 start_step "$srun_stderr.$next" "$srun_stderr.in$next"
+      HPCRUN_STANDBY=1 start_step "$standby_err" "$srun_stderr.in$next"
     standby=$! standby_nodes=$nodes
   fi
   # srun waits for every task to report its end, and a lost node's never do: once a task has
@@ -158,16 +168,16 @@ while :; do
       local marks=("$run_dir"/exits/"$this_job-$attempt"-rank*.silent)
       [ -e "${marks[0]}" ]
     }
-    warmed= trained="$srun_stderr.trained$attempt"
+    warmed= progress="$run_dir"/progress.json seen=
     while kill -0 "$step" 2>/dev/null; do
       sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       # the standby imports once this attempt trains on, past its start-up: rank 0's progress written again
       # after its start's (a flush: metrics.flush_seconds, or a checkpoint), or a minute in
-      progress="$run_dir"/progress.json
       if [ -n "$standby" ] && [ -z "$warmed" ]; then
-        if [ ! -e "$trained" ] && [ "$progress" -nt "$starts" ]; then
-          touch "$trained"
-        elif { [ -e "$trained" ] && [ "$progress" -nt "$trained" ]; } || [ "$SECONDS" -ge $((began + 60)) ]; then
+        if [ -z "$seen" ] && [ "$progress" -nt "$starts" ]; then  # both written on the run's file system
+          seen=$(stat -c %y "$progress" 2>/dev/null)
+        elif { [ -n "$seen" ] && [ "$(stat -c %y "$progress" 2>/dev/null)" != "$seen" ]; } \
+          || [ "$SECONDS" -ge $((began + 60)) ]; then
           echo warm >&"$standby_in" 2>/dev/null
           warmed=1
         fi
