@@ -72,6 +72,9 @@ def recipe(tmp: Path, name: str, **fields: tp.Any) -> Path:
         "resources": {"nodes": 1, "gpus_per_node": 2, "time": "00:10:00"},
     }
     data.update(fields)
+    # no warm standby unless a test asks for it (tests/test_cluster_in_job.py, test_cluster_shrink.py): on CI's
+    # 2 cores each would import torch beside every attempt of every cluster test (~10 s of a core each)
+    data["fault"] = {"warm_standby": False, **(data.get("fault") or {})}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

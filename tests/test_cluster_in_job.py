@@ -55,7 +55,8 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def submit(tmp: Path, name: str, environment: dict[str, tp.Any] | None = None, **extra: tp.Any) -> tuple[Path, str]:
     site = site_copy(tmp, "testcluster", **({"environment": environment} if environment else {}))
-    fields = {"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_BY_TWO, **extra}
+    fields = {"job": PAUSED, "training": TRAINING, "checkpoint": CHECKPOINT, "resources": TWO_BY_TWO, **extra,
+              "fault": {"warm_standby": True, **extra.get("fault", {})}}  # hpcrun's default (tests/runs.py: off)
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(recipe(tmp, name, **fields))))
     return run_dir, json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
 

@@ -174,7 +174,8 @@ def test_usr2_then_preemption_requeue_once_each_and_complete_bit_identical(share
     scancel retrying on the ending job, before the batch shell's stop traps asked only of a running one)."""
     # 1.6 s per step: >= 48 s of training; the preemption comes after the resumed attempt's first
     # checkpoint (step 20), with >= 16 s of its training left
-    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 1.6))
+    # with hpcrun's default standby (tests/runs.py turns it off): the batch shell ends it as it ends
+    run_dir, job = submit(shared, "usr2-preempted", job=entrypoint_job(str(ROOT), 1.6), fault={"warm_standby": True})
     wait_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     wait_for(lambda: status(run_dir) == "requeued", what="the USR2 stop", timeout=120)

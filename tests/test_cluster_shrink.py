@@ -42,7 +42,7 @@ def test_a_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path, baseline: P
     site = site_copy(tmp_path, "testcluster")
     resources = {"nodes": 3, "gpus_per_node": 2, "time": "00:10:00", "partition": pool.partition("spare")}
     path = recipe(tmp_path, "shrink", job=entrypoint_job(str(ROOT), 0.4), training=TRAINING, checkpoint=CHECKPOINT,
-                  resources=resources, fault={"min_nodes": 2})
+                  resources=resources, fault={"min_nodes": 2, "warm_standby": True})
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(path)))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     assert "#SBATCH --no-kill" in (run_dir / "script.sh").read_text()

@@ -88,21 +88,23 @@ start_step() {
 # next attempt's environment and told by a line on their stdin (hpcrun.runtime.standby): `warm` once
 # this attempt trains, `go` to be the restart when it stays on these nodes, else `exit`.
 standby= standby_nodes= standby_in= standby_err=
-end_standby() {  # $1 (any word): let its step end by itself first, a few seconds at most
+end_standby() {  # $1 (any word): the job's normal end: its step is given a few seconds to end by itself
   [ -n "$standby" ] || return 0
   echo exit >&"$standby_in" 2>/dev/null
   exec {standby_in}>&-
   if [ -n "${1:-}" ]; then
-    for _ in $(seq 100); do kill -0 "$standby" 2>/dev/null || break; sleep 0.1; done
+    for _ in $(seq 30); do kill -0 "$standby" 2>/dev/null || break; sleep 0.1; done
   fi
-  # its srun: one with a task on a lost node would never end (and a restart's ranks wait for what is
-  # left of earlier attempts); its tasks leave on the word, or on their input's end, and the step
-  # with them (or, with a lost node's, by scancel)
-  pkill -KILL -P "$standby" -x srun 2>/dev/null || true
-  local name=hpcrun-attempt$((HPCRUN_ATTEMPT + 1))
-  { for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
-      [ "${s#*,}" != "$name" ] || timeout 30 scancel --signal=KILL "${s%%,*}"
-    done; } </dev/null >/dev/null 2>&1 3>&- &
+  # else (a requeue's, a preemption's end, or other nodes for the restart) no wait, which would hold the
+  # requeue: its srun ended (one with a task on a lost node never would, and a restart's ranks wait for
+  # what is left of earlier attempts), its tasks leave on the word or their input's end, or by scancel
+  if kill -0 "$standby" 2>/dev/null; then
+    pkill -KILL -P "$standby" -x srun 2>/dev/null || true
+    local name=hpcrun-attempt$((HPCRUN_ATTEMPT + 1))
+    { for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
+        [ "${s#*,}" != "$name" ] || timeout 30 scancel --signal=KILL "${s%%,*}"
+      done; } </dev/null >/dev/null 2>&1 3>&- &
+  fi
   standby=
 }
 ready() {  # the standby can be the restart: its srun runs, none of its tasks ended
@@ -243,5 +245,5 @@ while :; do
   nodes=$(cat "$srun_stderr.next")
   restarts_in_job=$((restarts_in_job + 1))
 done
-end_standby wait
+if [ "$step_status" -eq 0 ]; then end_standby wait; else end_standby; fi
 exit "$step_status"
