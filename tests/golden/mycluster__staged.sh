@@ -81,9 +81,10 @@ restarts_in_job=0
 this_job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
 this_job=${this_job:-$SLURM_JOB_ID}
 master_port() { echo $((20000 + (SLURM_JOB_ID + 997 * $1) % 12000)); }  # an attempt's own (the last one's may linger in TIME_WAIT)
-# One training step's srun, in the background, on $nodes: srun's messages kept in $1 (and shown as they
-# come), its exit status in $1.status; its tasks' stdin from $2 (else none, as for any background command)
+# One training step's srun, in the background, on $nodes: srun's messages kept in $1 (emptied first, and shown
+# as they come), its exit status in $1.status; its tasks' stdin from $2 (else none, as for any background command)
 start_step() {
+  : >"$1"
   ( trap '' USR2 TERM
     set +e
     [ -z "$standby_in" ] || exec {standby_in}>&-  # the standby's pipe: its readers see its end when the shell goes
@@ -145,17 +146,16 @@ while :; do
     step=$standby standby= err=$standby_err
   else
     end_standby
-    : >"$err"
     start_step "$err"
     step=$!
   fi
   if [ "$restarts_in_job" -lt 5 ]; then
     # the next attempt's ranks, should this one fail; a pipe of their own (a promoted standby's srun
     # still has the one before)
-    next=$((HPCRUN_ATTEMPT + 1)) standby_err="$srun_stderr.standby$((HPCRUN_ATTEMPT + 1))"
+    next=$((HPCRUN_ATTEMPT + 1))
+    standby_err="$srun_stderr.standby$next"
     mkfifo "$srun_stderr.in$next"
     exec {standby_in}<>"$srun_stderr.in$next"
-    : >"$standby_err"
     HPCRUN_ATTEMPT=$next HPCRUN_RESTARTS_IN_JOB=$((restarts_in_job + 1)) MASTER_PORT=$(master_port "$next") \
       HPCRUN_STANDBY=1 start_step "$standby_err" "$srun_stderr.in$next"
     standby=$! standby_nodes=$nodes
