@@ -58,13 +58,13 @@ class Policy:
         if interval > min(young_daly, self.max_s):
             why = f"so that they take at most {100 * self.overhead:g}% of the time"
         elif young_daly > self.max_s:
-            why = f"the longest allowed (Young/Daly's sqrt(2 x cost x MTBF) is {_duration(young_daly)})"
+            why = f"the longest allowed (Young/Daly's sqrt(2 x cost x MTBF) is {duration(young_daly)})"
         else:
             why = "Young/Daly's sqrt(2 x cost x MTBF)"
         source = "measured" if measured else "estimated"
         return (
-            f"{self.kind}s every {_duration(interval)}: {why}; cost {cost_s:.2f} s each ({source}), "
-            f"MTBF {_duration(self.mtbf_s)}"
+            f"{self.kind}s every {duration(interval)}: {why}; cost {cost_s:.2f} s each ({source}), "
+            f"MTBF {duration(self.mtbf_s)}"
         )
 
 
@@ -73,7 +73,7 @@ def estimated_cost_s(state_bytes: float, accelerator: bool) -> float:
     return state_bytes / 1e9 * SECONDS_PER_GB["gpu" if accelerator else "cpu"]
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds >= 2 * 3600:
         return f"{seconds / 3600:.1f} h"
     if seconds >= 120:

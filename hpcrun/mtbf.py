@@ -6,6 +6,10 @@ failures seen in `E` hours of exposure give MTBF = (P + E) / (1 + f). A short hi
 the prior (no failure in 100 node-hours against 5,000: 5,100 h), a long one dominates it (100
 failures in 100,000 node-hours: 1,040 h, near the history's 1,000), and one early failure cannot send
 the estimate to a few hours (it halves it at most), which would have every job save far too often.
+A job's own second failure is different evidence: one job's failures come in bursts (a flaky node or
+link, a failing disk, a bad batch of hosts), which a prior of thousands of hours would take hundreds of
+failures to see, so from then on its MTBF is its own (seconds trained per failure) when that is shorter.
+A wrong guess costs little: no kind of save takes more than `checkpoint.overhead` of the time.
 
 `learn`, `machine_failure`, `in_job_history` and `tightened` are pure; `resolve` reads the site's
 results directory (submission and `hpcrun plan`). Imports no torch; pandas only once there are rows.
@@ -134,10 +138,16 @@ def in_job_history(starts: tp.Sequence[str]) -> tuple[int, float]:
     return failures, trained
 
 
+BURST = 2
+"""A job's own failures from which its own rate, when higher, is its MTBF (above)."""
+
+
 def tightened(planned_s: float, failures: int, trained_s: float) -> float:
-    """The job's MTBF in seconds with its own failures: the plan's as one pseudo-failure, so after
-    `failures` its Young/Daly intervals are about sqrt(1 + failures) times shorter. Pure."""
-    return (planned_s + trained_s) / (1 + failures)
+    """The job's MTBF in seconds with its own failures: the plan's as one pseudo-failure (after one
+    failure its Young/Daly intervals are about sqrt(2) times shorter), and from `BURST` failures on
+    the job's own seconds trained per failure when fewer (at least a second). Pure."""
+    pooled = (planned_s + trained_s) / (1 + failures)
+    return pooled if failures < BURST else min(pooled, max(1.0, trained_s / failures))
 
 
 _cache: dict[str, tuple[tuple[str, ...], pd.DataFrame]] = {}

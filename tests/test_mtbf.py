@@ -193,9 +193,15 @@ def test_a_jobs_own_failures_tighten_its_mtbf() -> None:
     failures, trained = mtbf.in_job_history(starts)
     assert (failures, trained) == (3, 6400.0)
     planned = 1000 * 3600.0
-    assert mtbf.tightened(planned, failures, trained) == pytest.approx((planned + 6400) / 4)
+    # from a second failure on, the job's own rate: 3 failures in 6400 s trained
+    assert mtbf.tightened(planned, failures, trained) == pytest.approx(6400 / 3)
     assert mtbf.in_job_history([" 0 1000 n1"]) == (0, 0.0)
     assert mtbf.tightened(planned, 0, 0.0) == planned
+    # one failure is not yet a burst: the plan's MTBF counts as one more
+    assert mtbf.tightened(planned, 1, 3600.0) == pytest.approx((planned + 3600) / 2)
+    # a job that fails less often than its plan said keeps the pooled estimate
+    assert mtbf.tightened(3600.0, 2, 90_000.0) == pytest.approx((3600 + 90_000) / 3)
+    assert mtbf.tightened(planned, 2, 0.0) == 1.0  # two failures before any training: a second, not zero
 
 
 def test_the_attempts_cadences_use_the_tightened_mtbf(tmp_path: Path) -> None:
@@ -217,6 +223,6 @@ def test_the_attempts_cadences_use_the_tightened_mtbf(tmp_path: Path) -> None:
     assert memory is not None
     expected = (spec.mtbf_s + 3600) / 2
     assert disk.policy.mtbf_s == memory.policy.mtbf_s == pytest.approx(expected)
-    assert said == [f"MTBF {expected / 3600:.1f} h: the plan's 5000.0 h with this job's 1 failure(s) in 1.00 h"]
+    assert said == [f"MTBF {expected / 3600:.1f} h: the plan's 5000.0 h with this job's 1 failure(s) in 60.0 min trained"]
     ctx.env.allocation_id = "78"  # no starts of this allocation: the plan's
     assert Context.make_cadences(ctx)[0].policy.mtbf_s == spec.mtbf_s  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrun import slurm
+from hpcrun.cadence import duration
 from hpcrun.plan import RunSpec
 from hpcrun.recipe import EntrypointJob
 from hpcrun.rundir import RunDir, local_scratch, manifest, nvme_job_dir
@@ -299,8 +300,8 @@ class Context:
         if not failures:
             return planned
         tightened = mtbf.tightened(planned, failures, trained_s)
-        self.info(f"MTBF {tightened / 3600:.1f} h: the plan's {planned / 3600:.1f} h with this job's {failures} "
-                  f"failure(s) in {trained_s / 3600:.2f} h")
+        self.info(f"MTBF {duration(tightened)}: the plan's {duration(planned)} with this job's {failures} "
+                  f"failure(s) in {duration(trained_s)} trained")
         return tightened
 
     def unsaved_on_disk_s(self) -> float:
