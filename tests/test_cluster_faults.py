@@ -49,6 +49,7 @@ def wait_done(run_dir: Path, timeout: float) -> dict[str, tp.Any]:
         time.sleep(1)
     raise AssertionError(
         f"{run_dir.name} did not finish: {state(run_dir) if (run_dir / 'state.json').exists() else 'no state'}"
+        f"\n{diagnosis(run_dir)}"
     )
 
 
@@ -56,7 +57,22 @@ def wait_checkpoint(run_dir: Path, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and not any((run_dir / "checkpoints").glob("step-*")):
         time.sleep(0.2)
-    assert any((run_dir / "checkpoints").glob("step-*")), "no checkpoint appeared"
+    assert any((run_dir / "checkpoints").glob("step-*")), f"no checkpoint appeared\n{diagnosis(run_dir)}"
+
+
+def diagnosis(run_dir: Path) -> str:
+    """For a run that did not get where a test waited: SLURM's word on its jobs' steps and on nodes
+    not in service, and the end of each rank's messages (a failed test's only record of a CI run)."""
+    submitted = run_dir / "jobs.json"
+    jobs = [j["job_id"] for j in json.loads(submitted.read_text())] if submitted.exists() else []
+    steps = ["sacct", "-n", "-P", "-j", ",".join(jobs), "-o", "JobID,JobName,State,ExitCode,Start,End,NodeList"]
+    said = [
+        subprocess.run(steps, capture_output=True, text=True).stdout if jobs else "no job submitted",
+        subprocess.run(["sinfo", "-h", "-R", "-o", "%N %T %E"], capture_output=True, text=True).stdout,
+    ]
+    for log in sorted((run_dir / "logs").glob("*_log.err")):
+        said.append(f"-- {log.name}: " + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(said)
 
 
 def submit(tmp: Path, name: str, **extra: tp.Any) -> tuple[Path, str]:

@@ -145,7 +145,12 @@ end_standby() {  # $1 (any word): the job's normal end: its step is given a few 
   # requeue: its srun ended (one with a task on a lost node never would, and a restart's ranks wait for
   # what is left of earlier attempts), its tasks leave on the word or their input's end, or by scancel
   if kill -0 "$standby" 2>/dev/null; then
-    pkill -KILL -P "$standby" -x srun 2>/dev/null || true
+    # its subshell first (out of the job table: no "Killed" notice), which would write its status file
+    # after this script's exit removed its files
+    local sruns
+    sruns=$(pgrep -P "$standby" -x srun || true)
+    disown "$standby" 2>/dev/null || true
+    kill -KILL "$standby" $sruns 2>/dev/null || true
     local name=hpcrun-attempt$((HPCRUN_ATTEMPT + 1))
     { for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
         [ "${s#*,}" != "$name" ] || timeout 30 scancel --signal=KILL "${s%%,*}"
