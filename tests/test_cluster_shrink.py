@@ -4,7 +4,8 @@ inside its one allocation on the two nodes left, with the same global batch: the
 take the six slices of every step by gradient accumulation. The loss of every step after the
 shrink matches an uninterrupted 6-rank run's within the tolerance README states (the reduction
 order differs), and so do the final weights (tests/test_snapshot.py shows the same check fail
-without the accumulation)."""
+without the accumulation). DDP resumes from the survivors' state; FSDP (full shard), whose lost
+ranks' shards of the last step are nowhere else, from its newest complete save, resharded."""
 
 from __future__ import annotations
 
@@ -19,7 +20,18 @@ from hpcrun.rundir import RunDir
 from tests import faults, pool
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import baseline_weights, hpcrun, local_baseline, losses, recipe, rows, run_dir_of, site_copy, state
+from tests.runs import (
+    STRATEGIES,
+    baseline_weights,
+    hpcrun,
+    local_baseline,
+    losses,
+    recipe,
+    rows,
+    run_dir_of,
+    site_copy,
+    state,
+)
 from tests.test_cluster_faults import CHECKPOINT, TRAINING, records, wait_checkpoint, wait_done
 from tests.test_cluster_in_job import attempt_starts
 from tests.test_snapshot import SHRINK_RTOL, SHRINK_WTOL  # README's tolerances, measured there
@@ -29,20 +41,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 WORLD = 6
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run at world size 6."""
-    return local_baseline(tmp_path_factory, WORLD, training=TRAINING, checkpoint=CHECKPOINT)
-
-
-def test_a_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path, baseline: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_lost_node_without_a_spare_shrinks_the_job(
+    strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # the uninterrupted run at world size 6, trained beside the job
+    baseline = local_baseline(tmp_path_factory, WORLD, training=TRAINING, checkpoint=CHECKPOINT,
+                              strategy=STRATEGIES[strategy])
     first, second = faults.NODES
     third = pool.spare_node()
     assert third, f"no third node in partition {pool.partition('spare')} (tests/cluster/testcluster.sh up)"
     site = site_copy(tmp_path, "testcluster")
     resources = {"nodes": 3, "gpus_per_node": 2, "time": "00:10:00", "partition": pool.partition("spare")}
     path = recipe(tmp_path, "shrink", job=entrypoint_job(str(ROOT), 0.4), training=TRAINING, checkpoint=CHECKPOINT,
-                  resources=resources, fault={"min_nodes": 2, "warm_standby": True})
+                  resources=resources, fault={"min_nodes": 2, "warm_standby": True}, strategy=STRATEGIES[strategy])
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(path)))
     job = json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
     assert "#SBATCH --no-kill" in (run_dir / "script.sh").read_text()
@@ -72,7 +84,10 @@ def test_a_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path, baseline: P
     # README: 60 s (measured ~16 s on the idle test cluster: the peers' 5 s, the batch script's probes
     # and grace, four Pythons starting); a trip through the queue would show in sacct above
     assert stepped - off <= 60, f"the first step on 2 nodes came {stepped - off:.1f} s after the power off"
-    assert shrunk["resumed_from"] == "survivor" and shrunk["recomputed_steps"] <= 1, shrunk
+    if strategy == "ddp":
+        assert shrunk["resumed_from"] == "survivor" and shrunk["recomputed_steps"] <= 1, shrunk
+    else:  # a save of all six shards: a snapshot (each rank's, with its replica on the next node) or the disk's
+        assert shrunk["resumed_from"] in ("memory", "disk") and first_step >= 10, shrunk
     assert baseline_weights(baseline)  # the baseline, trained beside the job, has finished
     got, want = losses(run_dir), losses(baseline)
     assert len(got) == len(want) == TRAINING["steps"], (got, want)

@@ -223,6 +223,8 @@ def test_the_attempts_cadences_use_the_tightened_mtbf(tmp_path: Path) -> None:
     assert memory is not None
     expected = (spec.mtbf_s + 3600) / 2
     assert disk.policy.mtbf_s == memory.policy.mtbf_s == pytest.approx(expected)
-    assert said == [f"MTBF {expected / 3600:.1f} h: the plan's 5000.0 h with this job's 1 failure(s) in 60.0 min trained"]
+    assert said == [
+        f"MTBF {expected / 3600:.1f} h: the plan's 5000.0 h with this job's 1 failure(s) in 60.0 min trained"
+    ]
     ctx.env.allocation_id = "78"  # no starts of this allocation: the plan's
     assert Context.make_cadences(ctx)[0].policy.mtbf_s == spec.mtbf_s  # type: ignore[arg-type]
