@@ -171,7 +171,7 @@ def test_lightning_array_requeues_only_the_signalled_task(tmp_path: Path) -> Non
         json.dumps(
             {
                 "name": "points",
-                "job": lightning_job(nodes=1, devices=1, steps=40),
+                "job": lightning_job(nodes=1, devices=1),
                 "resources": {"nodes": 1, "gpus_per_node": 1, "time": "00:10:00"},
                 "sweep": {"axes": {"training.seed": [1, 2]}},
             }

@@ -706,9 +706,11 @@ def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
 ) -> None:
     """FSDP (full shard) loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone): its
     survivors keep nothing (a dead rank's shard of the last step is nowhere else), the periodic
-    snapshots are shards of four ranks, so the restart on two resumes from the disk checkpoint,
-    resharded (DCP), each rank reducing every micro-batch's gradients (no full unsharded gradients
-    held, sync_every); the same global batch, within README's tolerances."""
+    snapshots are shards of four ranks, so the restart resumes from the disk checkpoint, resharded
+    (DCP), each rank reducing every micro-batch's gradients (no full unsharded gradients held,
+    sync_every). On three ranks: the four slices of a step are shared unevenly (2, 1, 1), so ranks 1
+    and 2 run one micro-batch of weight 0 (Context.padding) to join rank 0's second reduction; the
+    same global batch, within README's tolerances."""
     run_dir, nodes, job_id, procs = past_the_disk(tmp_path, "shrink-fsdp", 2, "fsdp")
     checkpoints = run_dir / "checkpoints"
     for proc in procs[2:]:
@@ -717,11 +719,11 @@ def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
     assert codes[2:] == [-signal.SIGKILL] * 2 and all(code != 0 for code in codes[:2]), codes
     shutil.rmtree(nodes[1], ignore_errors=True)
     disk = max(s for s, p in rundir.step_dirs(checkpoints).items() if rundir.manifest(p).exists())
-    finished(launch(run_dir, nodes, job_id, attempt=1, world=2), run_dir)
+    finished(launch(run_dir, nodes, job_id, attempt=1, world=3), run_dir)
     assert state(run_dir)["status"] == "completed", state(run_dir)
     same_training(run_dir, baseline(tmp_path_factory, "fsdp"), disk)
     row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
-    assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "disk", disk), row
+    assert (row["world_size"], row["resumed_from"], row["first_step"]) == (3, "disk", disk), row
 
 
 class _Layout:

@@ -346,6 +346,18 @@ class Context:
         return self.restored_losses + list(local)
 
     @property
+    def padding(self) -> int:
+        """Micro-batches of weight 0 (`engine.micro_step(..., weight=0.0)`) this rank runs after its own
+        slices in each step, once set up: a shrunk sharded state reduces every micro-batch's gradients
+        (`sync_every`), one collective each, so every rank runs as many as the one with the most slices
+        (6 slices over 4 ranks: 2, 2, 1, 1). A rank with fewer would otherwise wait in a collective the
+        others never join. What they add is zeros; the step takes the time of the ranks with most slices."""
+        if not self.shrunk or not getattr(self.engine, "sync_every", False):
+            return 0
+        most = -(-self.data_world // self.world_size)
+        return (most - len(self.data_ranks)) * self.recipe.training.grad_accum
+
+    @property
     def shrunk(self) -> bool:
         """Whether this attempt trains on fewer ranks than planned (a lost node and no spare)."""
         return self.world_size < self.data_world

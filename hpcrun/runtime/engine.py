@@ -74,7 +74,9 @@ class TorchEngine:
         # (the default stream may wait on a collective that never completes)
         self._updated: torch.cuda.Event | None = None
 
-    def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
+    def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool, weight: float = 1.0) -> float:
+        """One micro-batch's forward and backward; `weight` 0: its gradients count for nothing (a shrunk
+        sharded state's padding, hpcrun.runtime.context `padding`)."""
         if self._snapshot_copied is not None and self._buffers_change:  # forward writes buffers the copy reads
             torch.cuda.current_stream(self.env.device).wait_event(self._snapshot_copied)
         if self.unsettled:
@@ -88,7 +90,7 @@ class TorchEngine:
         with sync:
             with self.autocast():
                 loss = self.model(tokens, targets)
-            scaled = loss / self.accum
+            scaled = loss / self.accum if weight == 1.0 else loss * weight
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.item()
 
@@ -288,7 +290,9 @@ class DeepSpeedEngine:
         self.model = engine
         self.optimizer = engine.optimizer
 
-    def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool) -> float:
+    def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool, weight: float = 1.0) -> float:
+        if weight != 1.0:
+            raise ValueError("a DeepSpeed job trains at the world size it planned (it never shrinks): no padding")
         loss = self.engine(tokens, targets)
         self.engine.backward(loss)
         self.engine.step()  # applies the update only at the accumulation boundary

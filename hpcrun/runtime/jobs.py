@@ -38,14 +38,21 @@ def builtin_benchmark(
         model.compile_blocks()
     engine = ctx.setup(model, lambda params: adamw(params, training.lr))
     mb, accum = training.micro_batch, training.grad_accum
-    # this rank's slices of each step's global batch: its own, and after a shrink a lost rank's too
+    # this rank's slices of each step's global batch: its own, and after a shrink a lost rank's too, then
+    # its padding (the last slice again, weight 0)
     slices = [(m, data_rank) for m in range(accum) for data_rank in ctx.data_ranks]
+    micro_steps = len(slices) + ctx.padding
     for step in ctx.steps():
         losses = []
-        for i, (m, data_rank) in enumerate(slices):
-            first = (m * ctx.data_world + data_rank) * mb
-            tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
-            losses.append(engine.micro_step(tokens.to(ctx.device), targets.to(ctx.device), last=i == len(slices) - 1))
+        for i in range(micro_steps):
+            if i < len(slices):
+                m, data_rank = slices[i]
+                first = (m * ctx.data_world + data_rank) * mb
+                tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
+                tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
+                losses.append(engine.micro_step(tokens, targets, last=i == micro_steps - 1))
+            else:
+                engine.micro_step(tokens, targets, last=i == micro_steps - 1, weight=0.0)
         engine.optimizer_step()
         ctx.record_loss(ctx.batch_loss(losses))
         if ctx.env.is_main and (step + 1) % training.log_interval == 0:
