@@ -74,6 +74,7 @@ def estimated_cost_s(state_bytes: float, accelerator: bool) -> float:
 
 
 def duration(seconds: float) -> str:
+    """Seconds as a person reads them: `42.0 s`, `5.0 min`, `2.5 h` (plan, status, the rank's log)."""
     if seconds >= 2 * 3600:
         return f"{seconds / 3600:.1f} h"
     if seconds >= 120:

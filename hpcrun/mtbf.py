@@ -6,10 +6,11 @@ failures seen in `E` hours of exposure give MTBF = (P + E) / (1 + f). A short hi
 the prior (no failure in 100 node-hours against 5,000: 5,100 h), a long one dominates it (100
 failures in 100,000 node-hours: 1,040 h, near the history's 1,000), and one early failure cannot send
 the estimate to a few hours (it halves it at most), which would have every job save far too often.
-A job's own second failure is different evidence: one job's failures come in bursts (a flaky node or
-link, a failing disk, a bad batch of hosts), which a prior of thousands of hours would take hundreds of
-failures to see, so from then on its MTBF is its own (seconds trained per failure) when that is shorter.
-A wrong guess costs little: no kind of save takes more than `checkpoint.overhead` of the time.
+A job's own second failure in one allocation is different evidence: one job's failures come in bursts
+(a flaky node or link, a failing disk, a bad batch of hosts), which a prior of thousands of hours would
+take hundreds of failures to see, so from then on its MTBF is that allocation's seconds trained per
+failure when that is shorter (a requeue, on other nodes, starts afresh). A wrong guess costs little: no
+kind of save takes more than `checkpoint.overhead` of the time.
 
 `learn`, `machine_failure`, `in_job_history` and `tightened` are pure; `resolve` reads the site's
 results directory (submission and `hpcrun plan`). Imports no torch; pandas only once there are rows.
@@ -142,12 +143,23 @@ BURST = 2
 """A job's own failures from which its own rate, when higher, is its MTBF (above)."""
 
 
-def tightened(planned_s: float, failures: int, trained_s: float) -> float:
-    """The job's MTBF in seconds with its own failures: the plan's as one pseudo-failure (after one
-    failure its Young/Daly intervals are about sqrt(2) times shorter), and from `BURST` failures on
-    the job's own seconds trained per failure when fewer (at least a second). Pure."""
+def this_allocation(starts: tp.Sequence[str]) -> list[str]:
+    """The lines of `starts` (`in_job_history`'s) of the job's current allocation: those with the
+    last line's SLURM_RESTART_COUNT (a requeue starts another, often on other nodes). Pure."""
+    if not starts:
+        return []
+    current = starts[-1].split(" ")[0]
+    return [line for line in starts if line.split(" ")[0] == current]
+
+
+def tightened(planned_s: float, failures: int, trained_s: float, burst: tuple[int, float] = (0, 0.0)) -> float:
+    """The job's MTBF in seconds with its own `failures` in `trained_s`: the plan's as one pseudo-
+    failure (after one failure its Young/Daly intervals are about sqrt(2) times shorter), and, when
+    `burst` (failures, seconds trained: this allocation's, `this_allocation`) counts `BURST` or more,
+    its seconds trained per failure when fewer (at least a second). Pure."""
     pooled = (planned_s + trained_s) / (1 + failures)
-    return pooled if failures < BURST else min(pooled, max(1.0, trained_s / failures))
+    near, near_s = burst
+    return pooled if near < BURST else min(pooled, max(1.0, near_s / near))
 
 
 _cache: dict[str, tuple[tuple[str, ...], pd.DataFrame]] = {}

@@ -63,13 +63,16 @@ def wait_checkpoint(run_dir: Path, timeout: float = 240) -> None:
 def diagnosis(run_dir: Path) -> str:
     """For a run that did not get where a test waited: SLURM's word on its jobs' steps and on nodes
     not in service, and the end of each rank's messages (a failed test's only record of a CI run)."""
+    def run(argv: list[str]) -> str:  # SLURM's word, or why there is none: never in place of the failure
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{argv[0]}: {e}"
+
     submitted = run_dir / "jobs.json"
     jobs = [j["job_id"] for j in json.loads(submitted.read_text())] if submitted.exists() else []
-    steps = ["sacct", "-n", "-P", "-j", ",".join(jobs), "-o", "JobID,JobName,State,ExitCode,Start,End,NodeList"]
-    said = [
-        subprocess.run(steps, capture_output=True, text=True).stdout if jobs else "no job submitted",
-        subprocess.run(["sinfo", "-h", "-R", "-o", "%N %T %E"], capture_output=True, text=True).stdout,
-    ]
+    steps = ["sacct", "-D", "-n", "-P", "-j", ",".join(jobs), "-o", "JobID,JobName,State,ExitCode,Start,End,NodeList"]
+    said = [run(steps) if jobs else "no job submitted", run(["sinfo", "-h", "-R", "-o", "%N %T %E"])]
     for log in sorted((run_dir / "logs").glob("*_log.err")):
         said.append(f"-- {log.name}: " + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
     return "\n".join(said)

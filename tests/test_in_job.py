@@ -292,3 +292,37 @@ def test_a_lost_node_without_a_spare_shrinks_the_job_down_to_min_nodes(
         assert "requeue" in run_dir.state()["reason"], run_dir.state()
     (row,) = load(tmp_path / "results").to_dict("records")
     assert (row["world_size"], row["nodes"]) == (6, 3), row  # the failed attempt's own world
+
+
+@pytest.mark.parametrize(
+    ("data_world", "world", "accum", "sharded", "padding"),
+    [
+        (6, 4, 1, True, [0, 0, 1, 1]),  # 2, 2, 1, 1 slices
+        (6, 4, 3, True, [0, 0, 3, 3]),  # each slice once per accumulation round
+        (4, 2, 1, True, [0, 0]),  # even shares: none
+        (6, 4, 1, False, [0, 0, 0, 0]),  # DDP reduces once, at the last micro-batch, whatever the share
+        (4, 4, 1, True, [0, 0, 0, 0]),  # not shrunk
+    ],
+)
+def test_a_shrunk_sharded_states_ranks_run_as_many_micro_batches(
+    data_world: int, world: int, accum: int, sharded: bool, padding: list[int]
+) -> None:
+    """Context.padding: a shrunk sharded state reduces every micro-batch's gradients, so each rank runs
+    as many micro-batches as the one with the most slices (tests/test_snapshot.py trains through it)."""
+    from types import SimpleNamespace
+
+    from hpcrun.runtime.context import Context
+
+    got = []
+    for rank in range(world):
+        ctx = SimpleNamespace(
+            engine=SimpleNamespace(sync_every=sharded), data_world=data_world, world_size=world,
+            data_ranks=list(range(rank, data_world, world)), shrunk=world < data_world,
+            recipe=SimpleNamespace(training=SimpleNamespace(grad_accum=accum)),
+        )
+        got.append(Context.padding.fget(ctx))  # type: ignore[attr-defined]
+        if sharded:  # every rank as many as rank 0, which has the most
+            assert len(ctx.data_ranks) * accum + got[-1] == len(range(0, data_world, world)) * accum
+    assert got == padding
+    with pytest.raises(RuntimeError, match="once ctx.setup"):
+        Context.padding.fget(SimpleNamespace(engine=None))  # type: ignore[attr-defined]

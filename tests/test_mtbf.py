@@ -193,15 +193,24 @@ def test_a_jobs_own_failures_tighten_its_mtbf() -> None:
     failures, trained = mtbf.in_job_history(starts)
     assert (failures, trained) == (3, 6400.0)
     planned = 1000 * 3600.0
-    # from a second failure on, the job's own rate: 3 failures in 6400 s trained
-    assert mtbf.tightened(planned, failures, trained) == pytest.approx(6400 / 3)
+    pooled = (planned + 6400) / 4
+    assert mtbf.tightened(planned, failures, trained) == pytest.approx(pooled)
+    # a burst: from a second failure in one allocation on, its own rate; the requeue's allocation (its
+    # SLURM_RESTART_COUNT 1) has had one failure, after 1800 s, so the pooled estimate stays
+    assert mtbf.this_allocation(starts[:-1]) == starts[3:5]
+    assert mtbf.in_job_history(mtbf.this_allocation(starts[:-1])) == (1, 1800.0)
+    assert mtbf.tightened(planned, failures, trained, (1, 1800.0)) == pytest.approx(pooled)
+    # the first allocation's two failures in 4600 s trained
+    assert mtbf.in_job_history(mtbf.this_allocation(starts[:3])) == (2, 4600.0)
+    assert mtbf.tightened(planned, failures, trained, (2, 4600.0)) == pytest.approx(2300)
+    assert mtbf.this_allocation([]) == []
     assert mtbf.in_job_history([" 0 1000 n1"]) == (0, 0.0)
     assert mtbf.tightened(planned, 0, 0.0) == planned
     # one failure is not yet a burst: the plan's MTBF counts as one more
-    assert mtbf.tightened(planned, 1, 3600.0) == pytest.approx((planned + 3600) / 2)
+    assert mtbf.tightened(planned, 1, 3600.0, (1, 3600.0)) == pytest.approx((planned + 3600) / 2)
     # a job that fails less often than its plan said keeps the pooled estimate
-    assert mtbf.tightened(3600.0, 2, 90_000.0) == pytest.approx((3600 + 90_000) / 3)
-    assert mtbf.tightened(planned, 2, 0.0) == 1.0  # two failures before any training: a second, not zero
+    assert mtbf.tightened(3600.0, 2, 90_000.0, (2, 90_000.0)) == pytest.approx((3600 + 90_000) / 3)
+    assert mtbf.tightened(planned, 2, 0.0, (2, 0.0)) == 1.0  # two failures before any training: a second, not zero
 
 
 def test_the_attempts_cadences_use_the_tightened_mtbf(tmp_path: Path) -> None:

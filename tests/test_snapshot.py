@@ -708,9 +708,10 @@ def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
     survivors keep nothing (a dead rank's shard of the last step is nowhere else), the periodic
     snapshots are shards of four ranks, so the restart resumes from the disk checkpoint, resharded
     (DCP), each rank reducing every micro-batch's gradients (no full unsharded gradients held,
-    sync_every). On three ranks: the four slices of a step are shared unevenly (2, 1, 1), so ranks 1
-    and 2 run one micro-batch of weight 0 (Context.padding) to join rank 0's second reduction; the
-    same global batch, within README's tolerances."""
+    sync_every). On three ranks (rank 2 on a replacement for node B, its scratch empty): the four
+    slices of a step are shared unevenly (2, 1, 1), so ranks 1 and 2 run one micro-batch of weight 0
+    (Context.padding) to join rank 0's second reduction; the same global batch, within README's
+    tolerances."""
     run_dir, nodes, job_id, procs = past_the_disk(tmp_path, "shrink-fsdp", 2, "fsdp")
     checkpoints = run_dir / "checkpoints"
     for proc in procs[2:]:

@@ -299,7 +299,7 @@ class Context:
         failures, trained_s = mtbf.in_job_history(starts)
         if not failures:
             return planned
-        tightened = mtbf.tightened(planned, failures, trained_s)
+        tightened = mtbf.tightened(planned, failures, trained_s, mtbf.in_job_history(mtbf.this_allocation(starts)))
         self.info(f"MTBF {duration(tightened)}: the plan's {duration(planned)} with this job's {failures} "
                   f"failure(s) in {duration(trained_s)} trained")
         return tightened
@@ -352,6 +352,8 @@ class Context:
         (`sync_every`), one collective each, so every rank runs as many as the one with the most slices
         (6 slices over 4 ranks: 2, 2, 1, 1). A rank with fewer would otherwise wait in a collective the
         others never join. What they add is zeros; the step takes the time of the ranks with most slices."""
+        if self.engine is None:
+            raise RuntimeError("ctx.padding is known once ctx.setup has built the engine")
         if not self.shrunk or not getattr(self.engine, "sync_every", False):
             return 0
         most = -(-self.data_world // self.world_size)

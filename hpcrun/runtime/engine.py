@@ -90,7 +90,7 @@ class TorchEngine:
         with sync:
             with self.autocast():
                 loss = self.model(tokens, targets)
-            scaled = loss / self.accum if weight == 1.0 else loss * weight
+            scaled = loss / self.accum if weight == 1.0 else loss * weight / self.accum
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.item()
 
