@@ -92,7 +92,7 @@ start_step() {
 # A warm standby (fault.warm_standby): the next attempt's ranks, started on this attempt's nodes with the
 # next attempt's environment and told by a line on their stdin (hpcrun.runtime.standby): `warm` once
 # this attempt trains, `go` to be the restart when it stays on these nodes, else `exit`.
-standby= standby_nodes= standby_in= standby_err=
+standby= standby_nodes= standby_in= standby_err= standby_attempt=
 end_standby() {  # $1 (any word): the job's normal end: its step is given a few seconds to end by itself
   [ -n "$standby" ] || return 0
   echo exit >&"$standby_in" 2>/dev/null
@@ -110,7 +110,7 @@ end_standby() {  # $1 (any word): the job's normal end: its step is given a few 
     sruns=$(pgrep -P "$standby" -x srun || true)
     disown "$standby" 2>/dev/null || true
     kill -KILL "$standby" $sruns 2>/dev/null || true
-    local name=hpcrun-attempt$((HPCRUN_ATTEMPT + 1))
+    local name=hpcrun-attempt$standby_attempt  # its own: HPCRUN_ATTEMPT may already be the next start's
     { for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
         [ "${s#*,}" != "$name" ] || timeout 30 scancel --signal=KILL "${s%%,*}"
       done; } </dev/null >/dev/null 2>&1 3>&- &
@@ -158,7 +158,7 @@ while :; do
     exec {standby_in}<>"$srun_stderr.in$next"
     HPCRUN_ATTEMPT=$next HPCRUN_RESTARTS_IN_JOB=$((restarts_in_job + 1)) MASTER_PORT=$(master_port "$next") \
       HPCRUN_STANDBY=1 start_step "$standby_err" "$srun_stderr.in$next"
-    standby=$! standby_nodes=$nodes
+    standby=$! standby_nodes=$nodes standby_attempt=$next
   fi
   # srun waits for every task to report its end, and a lost node's never do: once a task has
   # failed, a step still there 5 s later is ended by a watcher beside it (its tasks on live
