@@ -15,6 +15,7 @@ import shlex
 import stat
 import subprocess
 import sys
+import time
 import typing as tp
 from pathlib import Path
 
@@ -90,9 +91,10 @@ def directives(script: str) -> list[str]:
     return names
 
 
-def run_script(script: str, tmp: Path, srun_status: int = 0) -> tuple[int, str]:
+def run_script(script: str, tmp: Path, srun_status: int = 0, stubs: dict[str, str] | None = None) -> tuple[int, str]:
     """Run `script` as sbatch would start it, with stubs for the scheduler's and the site's
-    tools on PATH (the launch srun exiting `srun_status`); (exit status, the stubs' call log)."""
+    tools on PATH (the launch srun exiting `srun_status`; `stubs`: others, or other texts, by name);
+    (exit status, the stubs' call log)."""
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
     log = tmp / "calls.log"
@@ -109,6 +111,9 @@ def run_script(script: str, tmp: Path, srun_status: int = 0) -> tuple[int, str]:
         stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     (bindir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bindir / "scontrol").chmod(0o755)
+    for name, text in (stubs or {}).items():
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
     activate = tmp / ACTIVATE
     activate.parent.mkdir(parents=True, exist_ok=True)
     activate.write_text(f"echo setup >>{shlex.quote(str(log))}\n")
@@ -317,3 +322,38 @@ def test_injection_detector_works(tmp_path: Path) -> None:
     )
     assert status != 0 and not launched(calls)
     assert directives("#!/bin/bash\n#SBATCH --a=1\n#SBATCH --b\necho\n#SBATCH --c\n") == ["--a", "--b"]
+
+
+def test_a_standby_dismissed_for_other_nodes_is_cancelled_by_its_own_name(tmp_path: Path) -> None:
+    """The failed step's restart goes to other nodes (the failure step names node2: a lost node's
+    spare), so the standby waiting beside it on node1 is dismissed: its srun killed and its step
+    scancelled by its own name, hpcrun-attempt1, never the standby started beside the restart
+    (hpcrun-attempt2), which the script's end dismisses in turn."""
+    site = copy.deepcopy(SITE)  # the run directory (its starts file numbers the attempts) the test's own
+    site["storage"]["runs_dir"] = str(tmp_path / "runs")
+    result = cli("render", "--site", str(write_yaml(tmp_path / "s.yaml", site)), "--run-id", "r1",
+                 str(write_yaml(tmp_path / "r.yaml", QUICKSTART)))
+    assert result.exit_code == 0, result.output
+    cancelled, moved = tmp_path / "scancel.log", tmp_path / "moved"
+    srun = f"""#!/bin/sh
+case " $* " in
+  *" -m hpcrun.runtime.failure "*)
+    cat >/dev/null
+    if [ ! -e {moved} ]; then : >{moved}; echo node2 >"$HPCRUN_NEXT_NODES"; fi ;;
+  *" -m hpcrun.launch "*)
+    if [ -n "$HPCRUN_STANDBY" ]; then cat >/dev/null; while :; do sleep 0.2; done; fi
+    echo "srun: error: node1: task 0: Exited with exit code 1" >&2; exit 1 ;;
+esac
+"""
+    stubs = {
+        "srun": srun,
+        "squeue": "#!/bin/sh\nprintf '123.0,hpcrun-attempt0\\n123.1,hpcrun-attempt1\\n123.3,hpcrun-attempt2\\n'\n",
+        "scancel": f"#!/bin/sh\necho \"$*\" >>{cancelled}\n",
+    }
+    status, _ = run_script(result.stdout, tmp_path, srun_status=1, stubs=stubs)
+    assert status == 1 and moved.exists(), status
+    deadline = time.time() + 10  # the scancels run in the background: the script does not wait for them
+    while time.time() < deadline and "--signal=KILL 123.3" not in (cancelled.read_text() if cancelled.exists() else ""):
+        time.sleep(0.1)
+    said = cancelled.read_text().splitlines()
+    assert said == ["--signal=KILL 123.1", "--signal=KILL 123.3"], said
