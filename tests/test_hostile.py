@@ -327,14 +327,15 @@ def test_injection_detector_works(tmp_path: Path) -> None:
 def test_a_standby_dismissed_for_other_nodes_is_cancelled_by_its_own_name(tmp_path: Path) -> None:
     """The failed step's restart goes to other nodes (the failure step names node2: a lost node's
     spare), so the standby waiting beside it on node1 is dismissed: its srun killed and its step
-    scancelled by its own name, hpcrun-attempt1, never the standby started beside the restart
-    (hpcrun-attempt2), which the script's end dismisses in turn."""
+    scancelled, found by its own name, hpcrun-attempt1, before the restart started cold on node2
+    takes that name too; never the standby started beside the restart (hpcrun-attempt2), which the
+    script's end dismisses in turn."""
     site = copy.deepcopy(SITE)  # the run directory (its starts file numbers the attempts) the test's own
     site["storage"]["runs_dir"] = str(tmp_path / "runs")
     result = cli("render", "--site", str(write_yaml(tmp_path / "s.yaml", site)), "--run-id", "r1",
                  str(write_yaml(tmp_path / "r.yaml", QUICKSTART)))
     assert result.exit_code == 0, result.output
-    cancelled, moved = tmp_path / "scancel.log", tmp_path / "moved"
+    cancelled, moved, restarted = tmp_path / "scancel.log", tmp_path / "moved", tmp_path / "restarted"
     srun = f"""#!/bin/sh
 case " $* " in
   *" -m hpcrun.runtime.failure "*)
@@ -342,14 +343,18 @@ case " $* " in
     if [ ! -e {moved} ]; then : >{moved}; echo node2 >"$HPCRUN_NEXT_NODES"; fi ;;
   *" -m hpcrun.launch "*)
     if [ -n "$HPCRUN_STANDBY" ]; then cat >/dev/null; while :; do sleep 0.2; done; fi
+    if [ -e {moved} ]; then : >{restarted}; fi
     echo "srun: error: node1: task 0: Exited with exit code 1" >&2; exit 1 ;;
 esac
 """
-    stubs = {
-        "srun": srun,
-        "squeue": "#!/bin/sh\nprintf '123.0,hpcrun-attempt0\\n123.1,hpcrun-attempt1\\n123.3,hpcrun-attempt2\\n'\n",
-        "scancel": f"#!/bin/sh\necho \"$*\" >>{cancelled}\n",
-    }
+    # SLURM's steps: the restart on node2, once started, is step 4 and has the dismissed standby's name; a
+    # listing takes a moment (a restart started meanwhile is in it)
+    squeue = f"""#!/bin/sh
+sleep 0.5
+printf '123.0,hpcrun-attempt0\\n123.1,hpcrun-attempt1\\n123.3,hpcrun-attempt2\\n'
+[ ! -e {restarted} ] || echo 123.4,hpcrun-attempt1
+"""
+    stubs = {"srun": srun, "squeue": squeue, "scancel": f"#!/bin/sh\necho \"$*\" >>{cancelled}\n"}
     status, _ = run_script(result.stdout, tmp_path, srun_status=1, stubs=stubs)
     assert status == 1 and moved.exists(), status
     deadline = time.time() + 10  # the scancels run in the background: the script does not wait for them

@@ -104,10 +104,14 @@ end_standby() {  # $1 (any word): the job's normal end: its step is given a few 
     sruns=$(pgrep -P "$standby" -x srun || true)
     disown "$standby" 2>/dev/null || true
     kill -KILL "$standby" $sruns 2>/dev/null || true
-    local name=hpcrun-attempt$standby_attempt  # its own: HPCRUN_ATTEMPT may already be the next start's
-    { for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
-        [ "${s#*,}" != "$name" ] || timeout 30 scancel --signal=KILL "${s%%,*}"
-      done; } </dev/null >/dev/null 2>&1 3>&- &
+    # its step by its name, looked up now: a restart of that attempt number started cold on other nodes
+    # takes the same name next; scancel waits for a lost node's answer, so in the background
+    local ids
+    ids=$(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null \
+      | awk -F, -v name=hpcrun-attempt"$standby_attempt" '$2 == name { print $1 }' || true)
+    if [ -n "$ids" ]; then
+      { for id in $ids; do timeout 30 scancel --signal=KILL "$id"; done; } </dev/null >/dev/null 2>&1 3>&- &
+    fi
   fi
   standby=
 }
