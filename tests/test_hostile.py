@@ -328,8 +328,9 @@ def test_a_standby_dismissed_for_other_nodes_is_cancelled_by_its_own_name(tmp_pa
     """The failed step's restart goes to other nodes (the failure step names node2: a lost node's
     spare), so the standby waiting beside it on node1 is dismissed: its srun killed and its step
     scancelled, found by its own name, hpcrun-attempt1, before the restart started cold on node2
-    takes that name too; never the standby started beside the restart (hpcrun-attempt2), which the
-    script's end dismisses in turn."""
+    takes that name too; never the standby started beside the restart (hpcrun-attempt2), whose step
+    the job's end leaves to SLURM (a scancel retried past a requeue would reach the next start's step
+    of the same id)."""
     site = copy.deepcopy(SITE)  # the run directory (its starts file numbers the attempts) the test's own
     site["storage"]["runs_dir"] = str(tmp_path / "runs")
     result = cli("render", "--site", str(write_yaml(tmp_path / "s.yaml", site)), "--run-id", "r1",
@@ -357,8 +358,9 @@ printf '123.0,hpcrun-attempt0\\n123.1,hpcrun-attempt1\\n123.3,hpcrun-attempt2\\n
     stubs = {"srun": srun, "squeue": squeue, "scancel": f"#!/bin/sh\necho \"$*\" >>{cancelled}\n"}
     status, _ = run_script(result.stdout, tmp_path, srun_status=1, stubs=stubs)
     assert status == 1 and moved.exists(), status
-    deadline = time.time() + 10  # the scancels run in the background: the script does not wait for them
-    while time.time() < deadline and "--signal=KILL 123.3" not in (cancelled.read_text() if cancelled.exists() else ""):
+    deadline = time.time() + 10  # the scancel runs in the background: the script does not wait for it
+    while time.time() < deadline and not cancelled.exists():
         time.sleep(0.1)
+    time.sleep(1)  # nothing more comes: the job's end leaves the last standby's step to SLURM
     said = cancelled.read_text().splitlines()
-    assert said == ["--signal=KILL 123.1", "--signal=KILL 123.3"], said
+    assert said == ["--signal=KILL 123.1"], said

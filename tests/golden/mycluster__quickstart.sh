@@ -98,11 +98,12 @@ start_step() {
 # next attempt's environment and told by a line on their stdin (hpcrun.runtime.standby): `warm` once
 # this attempt trains, `go` to be the restart when it stays on these nodes, else `exit`.
 standby= standby_nodes= standby_in= standby_err= standby_attempt=
-end_standby() {  # $1 (any word): the job's normal end: its step is given a few seconds to end by itself
+end_standby() {  # $1: `wait` at the job's normal end (its step given a few seconds to end by itself), `last`
+  # at its other ends, none when the job goes on (a restart on other nodes)
   [ -n "$standby" ] || return 0
   echo exit >&"$standby_in" 2>/dev/null
   exec {standby_in}>&-
-  if [ -n "${1:-}" ]; then
+  if [ "${1:-}" = wait ]; then
     for _ in $(seq 30); do kill -0 "$standby" 2>/dev/null || break; sleep 0.1; done
   fi
   # else (a requeue's, a preemption's end, or other nodes for the restart) no wait, which would hold the
@@ -115,6 +116,10 @@ end_standby() {  # $1 (any word): the job's normal end: its step is given a few 
     sruns=$(pgrep -P "$standby" -x srun || true)
     disown "$standby" 2>/dev/null || true
     kill -KILL "$standby" $sruns 2>/dev/null || true
+  fi
+  # at the job's end SLURM ends its steps: a scancel retried past a requeue would reach the next start's step of
+  # the same id
+  if [ -z "${1:-}" ]; then
     # its step by its name, looked up now: a restart of that attempt number started cold on other nodes
     # takes the same name next; scancel waits for a lost node's answer, so in the background
     local ids
@@ -268,5 +273,5 @@ while :; do
   nodes=$(cat "$srun_stderr.next")
   restarts_in_job=$((restarts_in_job + 1))
 done
-if [ "$step_status" -eq 0 ]; then end_standby wait; else end_standby; fi
+if [ "$step_status" -eq 0 ]; then end_standby wait; else end_standby last; fi
 exit "$step_status"
