@@ -44,15 +44,13 @@ def builtin_benchmark(
     micro_steps = len(slices) + ctx.padding
     for step in ctx.steps():
         losses = []
-        for i in range(micro_steps):
-            if i < len(slices):
-                m, data_rank = slices[i]
-                first = (m * ctx.data_world + data_rank) * mb
-                tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
-                tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
-                losses.append(engine.micro_step(tokens, targets, last=i == micro_steps - 1))
-            else:
-                engine.micro_step(tokens, targets, last=i == micro_steps - 1, weight=0.0)
+        for i, (m, data_rank) in enumerate(slices):
+            first = (m * ctx.data_world + data_rank) * mb
+            tokens, targets = synthetic_batch(training.seed, step, first, mb, training.seq_len, size.vocab)
+            tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
+            losses.append(engine.micro_step(tokens, targets, last=i == micro_steps - 1))
+        for i in range(len(slices), micro_steps):
+            engine.micro_step(tokens, targets, last=i == micro_steps - 1, weight=0.0)
         engine.optimizer_step()
         ctx.record_loss(ctx.batch_loss(losses))
         if ctx.env.is_main and (step + 1) % training.log_interval == 0:
