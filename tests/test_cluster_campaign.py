@@ -75,18 +75,14 @@ def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[tuple[int,
     try:
         deadline = time.time() + 120
         while not all(log.stat().st_size for log in logs):  # each has printed its first states: it polls
-            assert time.time() < deadline and all(p.poll() is None for p in procs), [
-                log.read_text()[-500:] for log in logs
-            ]
+            assert time.time() < deadline and all(p.poll() is None for p in procs), told(procs, logs)
             time.sleep(0.5)
         began = time.monotonic()
         before = rpc_counts(WATCHER)
         time.sleep(WATCH_S)
         after = rpc_counts(WATCHER)
         window = time.monotonic() - began
-        assert all(p.poll() is None for p in procs), [
-            log.read_text()[-500:] for log in logs
-        ]  # still following, none died
+        assert all(p.poll() is None for p in procs), told(procs, logs)  # still following, none died
     finally:
         for p in procs:
             p.send_signal(signal.SIGINT)  # Ctrl-C: stops following, never the jobs
@@ -96,10 +92,15 @@ def watchers(site: Path, sweep: str, count: int, home: Path) -> tuple[tuple[int,
             except subprocess.TimeoutExpired:
                 p.kill()  # never left polling after the test
                 p.wait()
-    assert all(p.returncode == 130 for p in procs), [
-        (p.returncode, log.read_text()[-500:]) for p, log in zip(procs, logs)
-    ]
+    assert all(p.returncode == 130 for p in procs), told(procs, logs)
     return (after[0] - before[0], after[1] - before[1]), window
+
+
+def told(procs: list[subprocess.Popen[str]], logs: list[Path]) -> str:
+    """Short enough for CI's excerpt of a failure: each watcher's exit status (None: running) and
+    the last line it printed."""
+    last = [(log.read_text(errors="replace").strip().splitlines() or [""])[-1] for log in logs]
+    return "; ".join(f"watcher {i}: exit {p.poll()}, last line {ln!r}" for i, (p, ln) in enumerate(zip(procs, last)))
 
 
 def one_poll(site: Path, sweep: str, home: Path) -> tuple[int, int]:

@@ -3,6 +3,7 @@ the test site with a wrong interface, which must be caught with a clear finding.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,11 @@ def test_doctor_catches_a_wrong_interface(tmp_path: Path) -> None:
     site.write_text(yaml.safe_dump(data))
     out = hpcrun("doctor", "--site", str(site), "--nodes", "2", check=False)
     assert out.returncode == 1
-    assert f"fail  rank 0 on {pool.nodes()[0]}: interface 'eth7' has no address there (it has lo, hpc0)" in out.stdout
+    # The first rank to find no address ends the step (srun --kill-on-bad-exit): under load a rank
+    # still starting Python is killed before its own report, so which rank reports is not fixed.
+    found = re.findall(r"^fail  rank \d+ on (\S+): interface 'eth7' has no address there \(it has lo, hpc0\) -> ",
+                       out.stdout, re.M)
+    assert found and set(found) <= set(pool.nodes()), out.stdout
     assert f"set network.interface in {site}" in out.stdout
 
 
