@@ -50,6 +50,7 @@ STEP = "step-"  # step-NNNNNNNN/: a complete checkpoint
 PARTIAL_STEP = ".tmp-"  # .tmp-step-NNNNNNNN/: one being written, renamed into place when complete
 MANIFEST = "manifest.json"  # written last, inside a step's directory
 ENGINE_STATE = "state"  # the engine's own files (DCP, or DeepSpeed's with ENGINE_STATE as its tag)
+UNIVERSAL = "universal"  # beside DeepSpeed's tag: its universal checkpoint, converted for another world size
 # under a results directory (hpcrun.results, hpcrun.steps)
 RESULTS_STEPS = "steps"  # the per-step dataset, one directory per run
 UNREADABLE = "unreadable"  # result files compaction could not read, set aside (never deleted)

@@ -77,7 +77,8 @@ for step in range(start, args.steps):
     time.sleep(args.step_delay_s)
     if metrics:
         with open(metrics, "a") as f:
-            f.write(json.dumps({"step": step + 1, "loss": loss.item(), "total": args.steps, "time": time.time()}) + "\n")
+            row = {"step": step + 1, "loss": loss.item(), "total": args.steps, "time": time.time()}
+            f.write(json.dumps(row) + "\n")
     stop = torch.tensor([stop_signal])
     dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank learns whether any was signalled
     if stop.item():

@@ -43,7 +43,8 @@ x = torch.randn(4096, 32, generator=generator)
 data = TensorDataset(x, x.sum(dim=1, keepdim=True))
 trainer = L.Trainer(
     accelerator="auto", devices=args.devices, num_nodes=args.nodes, strategy=args.strategy,
-    max_steps=args.steps, accumulate_grad_batches=args.accumulate, enable_progress_bar=False, enable_model_summary=False, logger=False,
+    max_steps=args.steps, accumulate_grad_batches=args.accumulate, enable_progress_bar=False,
+    enable_model_summary=False, logger=False,
 )
 trainer.fit(Regression(), DataLoader(data, batch_size=8))
 if trainer.is_global_zero:

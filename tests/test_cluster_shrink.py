@@ -4,9 +4,10 @@ inside its one allocation on the two nodes left, with the same global batch: the
 take the six slices of every step by gradient accumulation. The loss of every step after the
 shrink matches an uninterrupted 6-rank run's within the tolerance README states (the reduction
 order differs), and so do the final weights (tests/test_snapshot.py shows the same check fail
-without the accumulation). DDP resumes from the survivors' state; FSDP (full shard), whose lost
-ranks' shards of the last step are nowhere else, from its disk checkpoint, resharded, the four
-ranks' uneven shares (2, 2, 1, 1 slices) padded to the same number of reductions (Context.padding)."""
+without the accumulation). DDP resumes from the survivors' state; FSDP (full shard) and ZeRO-2,
+whose lost ranks' shards of the last step are nowhere else, from their disk checkpoint, resharded
+(DCP; DeepSpeed's universal checkpoint), the four ranks' uneven shares (2, 2, 1, 1 slices) padded to
+the same number of reductions (Context.padding)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 WORLD = 6
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_a_lost_node_without_a_spare_shrinks_the_job(
     strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -87,7 +88,7 @@ def test_a_lost_node_without_a_spare_shrinks_the_job(
     assert stepped - off <= 60, f"the first step on 2 nodes came {stepped - off:.1f} s after the power off"
     if strategy == "ddp":
         assert shrunk["resumed_from"] == "survivor" and shrunk["recomputed_steps"] <= 1, shrunk
-    else:  # its periodic snapshots are shards of six ranks: the disk checkpoint, resharded (README)
+    else:  # FSDP's periodic snapshots are shards of six ranks, DeepSpeed keeps none: the disk checkpoint
         on_disk = first_step >= CHECKPOINT["interval"] and first_step % CHECKPOINT["interval"] == 0
         assert shrunk["resumed_from"] == "disk" and on_disk, shrunk
     assert baseline_weights(baseline)  # the baseline, trained beside the job, has finished

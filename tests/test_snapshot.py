@@ -701,18 +701,19 @@ def same_training(run_dir: Path, whole: Path, since: int) -> None:
     assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
 
 
-def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_a_shrunk_sharded_job_reshards_the_disk_checkpoint(
+    strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """FSDP (full shard) loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone): its
-    survivors keep nothing (a dead rank's shard of the last step is nowhere else), the periodic
-    snapshots are shards of four ranks, so the restart resumes from the disk checkpoint, resharded
-    (DCP), each rank reducing every micro-batch's gradients (no full unsharded gradients held,
-    sync_every). On three ranks (rank 2 on a replacement for node B, its scratch empty): the four
-    slices of a step are shared unevenly (2, 1, 1), so ranks 1 and 2 run one micro-batch of weight 0
-    (Context.padding) to join rank 0's second reduction; the same global batch, within README's
-    tolerances."""
-    run_dir, nodes, job_id, procs = past_the_disk(tmp_path, "shrink-fsdp", 2, "fsdp")
+    """FSDP (full shard) or ZeRO-2 loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone):
+    its survivors keep nothing (a dead rank's shard of the last step is nowhere else), FSDP's periodic
+    snapshots are shards of four ranks (DeepSpeed keeps none), so the restart resumes from the disk
+    checkpoint, resharded (DCP; DeepSpeed's universal checkpoint), each rank reducing every
+    micro-batch's gradients (FSDP: no full unsharded gradients held, sync_every; ZeRO-2 always). On
+    three ranks (rank 2 on a replacement for node B, its scratch empty): the four slices of a step are
+    shared unevenly (2, 1, 1), so ranks 1 and 2 run one micro-batch of weight 0 (Context.padding) to
+    join rank 0's second reduction; the same global batch, within README's tolerances."""
+    run_dir, nodes, job_id, procs = past_the_disk(tmp_path, f"shrink-{strategy}", 2, strategy)
     checkpoints = run_dir / "checkpoints"
     for proc in procs[2:]:
         proc.send_signal(signal.SIGKILL)
@@ -722,7 +723,7 @@ def test_a_shrunk_fsdp_job_reshards_the_disk_checkpoint(
     disk = max(s for s, p in rundir.step_dirs(checkpoints).items() if rundir.manifest(p).exists())
     finished(launch(run_dir, nodes, job_id, attempt=1, world=3), run_dir)
     assert state(run_dir)["status"] == "completed", state(run_dir)
-    same_training(run_dir, baseline(tmp_path_factory, "fsdp"), disk)
+    same_training(run_dir, baseline(tmp_path_factory, strategy), disk)
     row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
     assert (row["world_size"], row["resumed_from"], row["first_step"]) == (3, "disk", disk), row
 

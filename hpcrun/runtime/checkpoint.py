@@ -65,6 +65,17 @@ def latest(root: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def saved_world_size(root: Path) -> int | None:
+    """How many ranks saved the newest complete checkpoint under `root`; None without one."""
+    found = latest(root)
+    if found is None:
+        return None
+    manifest = read_json(rundir.manifest(found[1]), missing=None)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("world_size"), int):
+        raise CorruptStateError(rundir.manifest(found[1]), "no world_size in the checkpoint manifest")
+    return int(manifest["world_size"])
+
+
 def rng_state() -> dict[str, tp.Any]:
     state: dict[str, tp.Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():

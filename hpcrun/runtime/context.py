@@ -95,8 +95,12 @@ class Context:
         if not found and self.spec.init_weights:  # a stage starting from the previous stage's weights
             model.load_state_dict(torch.load(self.spec.init_weights, map_location="cpu", weights_only=True))
             self.info(f"initialised from {self.spec.init_weights}")
+        settings = self.recipe
+        if self.shrunk:  # DeepSpeed steps its optimizer after grad_accum micro-batches: as many as the most slices
+            training = self.recipe.training.model_copy(update={"grad_accum": self.micro_batches})
+            settings = self.recipe.model_copy(update={"training": training})
         self.engine = self.recipe.strategy.build(
-            model, make_optimizer, self.recipe, self.env, self.spec.run_dir, self.nvme_dir
+            model, make_optimizer, settings, self.env, self.spec.run_dir, self.nvme_dir
         )
         if self.shrunk:  # each micro-batch's loss divided by all the micro-batches of the global batch, over ranks
             self.engine.accum = self.data_world * self.recipe.training.grad_accum / self.world_size
@@ -356,8 +360,12 @@ class Context:
             raise RuntimeError("ctx.padding is known once ctx.setup has built the engine")
         if not self.shrunk or not getattr(self.engine, "sync_every", False):
             return 0
-        most = -(-self.data_world // self.world_size)
-        return (most - len(self.data_ranks)) * self.recipe.training.grad_accum
+        return self.micro_batches - len(self.data_ranks) * self.recipe.training.grad_accum
+
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches of a step on the rank with the most slices of the global batch."""
+        return -(-self.data_world // self.world_size) * self.recipe.training.grad_accum
 
     @property
     def shrunk(self) -> bool:

@@ -6,7 +6,12 @@ for export."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import subprocess
+import sys
 import threading
+import time
 import typing as tp
 from concurrent.futures import Future
 from pathlib import Path
@@ -15,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from hpcrun.rundir import ENGINE_STATE
+from hpcrun.rundir import ENGINE_STATE, UNIVERSAL
 from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.snapshotbuffers import BufferState, SnapshotBuffers
@@ -23,6 +28,7 @@ from hpcrun.runtime.snapshotbuffers import BufferState, SnapshotBuffers
 if tp.TYPE_CHECKING:  # the shapes strategies and engines agree on; the recipe itself is not known here
     from hpcrun.strategies.contract import Settings
 
+CONVERSION_WAIT_S = 2 * 3600  # the longest rank 0 may take to convert a checkpoint for another world size
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
@@ -285,16 +291,20 @@ class TorchEngine:
 class DeepSpeedEngine:
     """A DeepSpeed engine: it owns accumulation, clipping, loss scaling and its checkpoints."""
 
-    def __init__(self, engine: tp.Any) -> None:
+    def __init__(self, engine: tp.Any, accum: float, is_main: bool) -> None:
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
+        self.is_main = is_main
+        # what each micro-batch's loss is divided by in all: as TorchEngine's (hpcrun.runtime.context sets it
+        # after a shrink); DeepSpeed divides by its own accumulation steps, the rest is made up in micro_step
+        self.accum = accum
+        self.sync_every = True  # ZeRO reduces gradients at every micro-batch: a shrunk rank pads (`Context.padding`)
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool, weight: float = 1.0) -> float:
-        if weight != 1.0:
-            raise ValueError("a DeepSpeed job trains at the world size it planned (it never shrinks): no padding")
         loss = self.engine(tokens, targets)
-        self.engine.backward(loss)
+        scale = weight * self.engine.gradient_accumulation_steps() / self.accum  # 1 unless shrunk, 0 for padding
+        self.engine.backward(loss if scale == 1.0 else loss * scale)
         self.engine.step()  # applies the update only at the accumulation boundary
         return loss.item()
 
@@ -311,9 +321,43 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(directory), tag=ENGINE_STATE)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag=ENGINE_STATE)
+        tag = ENGINE_STATE
+        if self.engine.load_universal_checkpoint():  # saved by another world size (DeepSpeed.build): converted
+            tag = self.universal(directory)
+        path, _ = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
+
+    def universal(self, directory: Path) -> str:
+        """The checkpoint in `directory` as DeepSpeed's universal checkpoint, which loads at any world
+        size (ZeRO-1/2): converted by rank 0 with DeepSpeed's own tool beside the saved files (kept for
+        a later shrink of the same checkpoint), then every rank goes on. Returns its tag."""
+        import datetime as dt
+
+        import torch.distributed as dist
+
+        # a large model's conversion takes minutes (the tool reads every partition): the others wait in a
+        # barrier of their own that long; a failed conversion ends rank 0, and their barrier with it
+        waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=CONVERSION_WAIT_S))
+        target = directory / UNIVERSAL
+        if self.is_main and not target.exists():
+            partial = directory / f"{UNIVERSAL}.partial"
+            shutil.rmtree(partial, ignore_errors=True)  # a conversion killed halfway
+            tool, began = "deepspeed.checkpoint.ds_to_universal", time.monotonic()
+            # --inject_missing_state: the metadata only a Megatron-style client saves, empty for a plain model
+            out = subprocess.run(
+                [sys.executable, "-m", tool, "--input_folder", str(directory / ENGINE_STATE),
+                 "--output_folder", str(partial), "--inject_missing_state"],
+                capture_output=True, text=True,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"{tool} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+            os.rename(partial, target)
+            print(f"[hpcrun rank 0] {directory.parent.name} converted to DeepSpeed's universal checkpoint for "
+                  f"{dist.get_world_size()} ranks in {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
+        dist.barrier(group=waiting)
+        dist.destroy_process_group(waiting)
+        return UNIVERSAL
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU (collective: ZeRO-3 gathers its partitions)."""

@@ -104,7 +104,9 @@ class DeepSpeed(Strategy):
     set from the recipe so the two never disagree."""
 
     def resumes_at_another_world_size(self) -> bool:
-        return False  # its ZeRO partitions load at the world size that saved them (no universal checkpoint here)
+        """ZeRO-1 and -2 through DeepSpeed's universal checkpoint (DeepSpeedEngine.load); ZeRO-3's
+        partitions of the weights, and stage 0, are not converted here."""
+        return self.stage in (1, 2)
 
     @pydantic.model_validator(mode="after")
     def _offload_rules(self) -> DeepSpeed:
@@ -190,6 +192,7 @@ class DeepSpeed(Strategy):
         import torch.distributed as dist
 
         from hpcrun.rundir import RunDir, write_json
+        from hpcrun.runtime import checkpoint
         from hpcrun.runtime.engine import DeepSpeedEngine
 
         deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
@@ -197,7 +200,10 @@ class DeepSpeed(Strategy):
             Path(nvme_dir).mkdir(parents=True, exist_ok=True)
         config = self.engine_config(recipe, nvme_dir, pin_memory=torch.cuda.is_available())
         config["train_batch_size"] = recipe.training.micro_batch * recipe.training.grad_accum * dist.get_world_size()
+        saved = checkpoint.saved_world_size(RunDir(run_dir).checkpoints) if run_dir else None
+        if saved is not None and saved != dist.get_world_size():  # a shrink: the saving world's partitions
+            config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
         if run_dir and env.is_main:  # what DeepSpeed was really given, beside the run's other provenance
             write_json(RunDir(run_dir).deepspeed_config, config)
         engine, _, _, _ = deepspeed.initialize(model=model.to(env.device), optimizer=make_optimizer, config=config)
-        return DeepSpeedEngine(engine)
+        return DeepSpeedEngine(engine, recipe.training.grad_accum, env.is_main)
