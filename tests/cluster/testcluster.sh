@@ -123,6 +123,11 @@ KillWait=20
 # hpcrun's ranks end within seconds of SIGTERM (hpcrun/signals.py), but on this machine's two
 # loaded cores slurmd itself can take longer than 10 s.
 MessageTimeout=30
+# A step's tasks may outlive SIGKILL while one of them waits on the disk (a checkpoint's fsync, in
+# D state: seen for 60 s when CI's setup, its pip and DeepSpeed's builds saturated this machine's
+# disk): past UnkillableStepTimeout (default 60 s) SLURM drains the node ("Kill task failed") and
+# every later test of its pool finds no node. Sites on slow shared filesystems raise it the same way.
+UnkillableStepTimeout=180
 MinJobAge=600
 InactiveLimit=0
 MaxArraySize=1001
