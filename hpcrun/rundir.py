@@ -74,6 +74,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: Path) -> None:
+    """Every file and directory under `path`, and `path` itself, made durable (deepest first)."""
+    for entry in [*sorted(path.rglob("*"), reverse=True), path]:
+        fsync_dir(entry)  # os.fsync of a read-only descriptor: a file's data as a directory's entries
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> tp.Iterator[Path]:
     """A temporary name beside `path` to write to; on success it is synced and renamed over

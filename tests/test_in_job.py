@@ -245,6 +245,45 @@ def test_min_nodes_resolved_and_checked(tmp_path: Path) -> None:
         assert out.exit_code == 2 and words in out.output, out.output
 
 
+def test_a_shrunk_deepspeed_engines_micro_batches_count_their_share() -> None:
+    """DeepSpeedEngine.micro_step: DeepSpeed divides each micro-batch's loss by its accumulation steps
+    and averages over the ranks left, so the loss it is given is scaled to count 1/(W x grad_accum) of
+    the step: 6 ranks' batch on 4 (grad_accum 1) runs 2 micro-batches a rank, the second padding on
+    ranks 2-3. Unshrunk, the loss goes to DeepSpeed as it came (tests/test_snapshot.py trains through it)."""
+    import torch
+
+    from hpcrun.runtime.engine import DeepSpeedEngine
+
+    class Stub:
+        optimizer = None
+
+        def __init__(self, gas: int) -> None:
+            self.gas, self.loss, self.given = gas, torch.tensor(2.0), list[torch.Tensor]()
+
+        def __call__(self, tokens: tp.Any, targets: tp.Any) -> torch.Tensor:
+            return self.loss
+
+        def backward(self, loss: torch.Tensor) -> None:
+            self.given.append(loss)
+
+        def step(self) -> None:
+            pass
+
+        def gradient_accumulation_steps(self) -> int:
+            return self.gas
+
+    plain = Stub(4)
+    DeepSpeedEngine(plain, 4, True).micro_step(torch.zeros(1), torch.zeros(1), last=False)
+    assert plain.given == [plain.loss] and plain.given[0] is plain.loss
+    shrunk = Stub(2)
+    engine = DeepSpeedEngine(shrunk, 1, True)
+    engine.accum = 6 * 1 / 4  # hpcrun.runtime.context: what each loss is divided by in all
+    engine.micro_step(torch.zeros(1), torch.zeros(1), last=False)
+    engine.micro_step(torch.zeros(1), torch.zeros(1), last=True, weight=0.0)
+    counted = [float(loss) / shrunk.gas / 4 for loss in shrunk.given]  # DeepSpeed's division, its average
+    assert counted == pytest.approx([2.0 / 6, 0.0], rel=1e-6), counted  # float32 losses
+
+
 @pytest.mark.parametrize(("least", "restarted"), [(2, "node1,node2"), (3, None)])
 def test_a_lost_node_without_a_spare_shrinks_the_job_down_to_min_nodes(
     least: int, restarted: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -684,14 +684,20 @@ def test_a_shrunk_job_trains_the_same_global_batch(tmp_path: Path, tmp_path_fact
     assert state(run_dir)["status"] == "completed", state(run_dir)
     log = (run_dir / "rank0.log").read_text()
     assert "training on 2 of 4 ranks: the same global batch" in log, log[-3000:]
-    same_training(run_dir, baseline(tmp_path_factory, "ddp"), survived)
+    same_training(tmp_path, run_dir, baseline(tmp_path_factory, "ddp"), survived)
     row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
     assert (row["world_size"], row["resumed_from"], row["first_step"]) == (2, "survivor", survived), row
 
 
-def same_training(run_dir: Path, whole: Path, since: int) -> None:
+def same_training(tmp: Path, run_dir: Path, whole: Path, since: int) -> None:
     """A shrunk run's losses from step `since` on and its final weights against the uninterrupted
-    run's, within README's tolerances."""
+    run's, within README's tolerances; every step's throughput in the per-step table counted in the
+    planned global batch's tokens, the shrunk attempt's steps too."""
+    from hpcrun.steps import load_steps
+
+    table = load_steps(tmp / "results", run_id=run_dir.name)
+    tokens = table.tokens_per_s * table.step_time_s / (WORLD * TRAINING["micro_batch"] * TRAINING["seq_len"])
+    assert 1 in set(table.attempt) and ((tokens - 1).abs() < 1e-9).all(), table[["attempt", "step", "tokens_per_s"]]
     got, want = losses(run_dir), losses(whole)
     worst = max(abs(g - w) / abs(w) for g, w in zip(got[since:], want[since:]))
     mine = torch.load(rundir.RunDir(run_dir).final_weights, weights_only=True)
@@ -723,7 +729,7 @@ def test_a_shrunk_sharded_job_reshards_the_disk_checkpoint(
     disk = max(s for s, p in rundir.step_dirs(checkpoints).items() if rundir.manifest(p).exists())
     finished(launch(run_dir, nodes, job_id, attempt=1, world=3), run_dir)
     assert state(run_dir)["status"] == "completed", state(run_dir)
-    same_training(run_dir, baseline(tmp_path_factory, strategy), disk)
+    same_training(tmp_path, run_dir, baseline(tmp_path_factory, strategy), disk)
     row = rows(tmp_path, run_dir).sort_values("attempt").iloc[-1]
     assert (row["world_size"], row["resumed_from"], row["first_step"]) == (3, "disk", disk), row
 

@@ -104,7 +104,9 @@ class Context:
         )
         if self.shrunk:  # each micro-batch's loss divided by all the micro-batches of the global batch, over ranks
             self.engine.accum = self.data_world * self.recipe.training.grad_accum / self.world_size
-            self.engine.sync_every = not getattr(self.engine, "replicated", False)  # shards: no full gradients
+            # FSDP's shards hold no full gradients; DeepSpeed counts micro-batches to its step: both reduce
+            # or count every micro-batch, so every rank runs as many (`padding`)
+            self.engine.sync_every = not getattr(self.engine, "replicated", False)
             self.info(f"training on {self.world_size} of {self.data_world} ranks: the same global batch, each rank "
                       f"taking {len(self.data_ranks)} or so slices of it (this one: {self.data_ranks})")
         if self.spec.takes_snapshots:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from hpcrun.rundir import ENGINE_STATE, UNIVERSAL
+from hpcrun.rundir import ENGINE_STATE, UNIVERSAL, fsync_dir, fsync_tree
 from hpcrun.runtime import checkpoint
 from hpcrun.runtime.env import DistEnv
 from hpcrun.runtime.snapshotbuffers import BufferState, SnapshotBuffers
@@ -299,7 +299,6 @@ class DeepSpeedEngine:
         # what each micro-batch's loss is divided by in all: as TorchEngine's (hpcrun.runtime.context sets it
         # after a shrink); DeepSpeed divides by its own accumulation steps, the rest is made up in micro_step
         self.accum = accum
-        self.sync_every = True  # ZeRO reduces gradients at every micro-batch: a shrunk rank pads (`Context.padding`)
 
     def micro_step(self, tokens: torch.Tensor, targets: torch.Tensor, last: bool, weight: float = 1.0) -> float:
         loss = self.engine(tokens, targets)
@@ -341,8 +340,9 @@ class DeepSpeedEngine:
         waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=CONVERSION_WAIT_S))
         target = directory / UNIVERSAL
         if self.is_main and not target.exists():
-            partial = directory / f"{UNIVERSAL}.partial"
-            shutil.rmtree(partial, ignore_errors=True)  # a conversion killed halfway
+            for left in directory.glob(f"{UNIVERSAL}.partial-*"):  # conversions killed halfway
+                shutil.rmtree(left, ignore_errors=True)
+            partial = directory / f"{UNIVERSAL}.partial-{os.getpid()}"
             tool, began = "deepspeed.checkpoint.ds_to_universal", time.monotonic()
             # --inject_missing_state: the metadata only a Megatron-style client saves, empty for a plain model
             out = subprocess.run(
@@ -352,7 +352,11 @@ class DeepSpeedEngine:
             )
             if out.returncode != 0:
                 raise RuntimeError(f"{tool} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+            # durable before it is named: a later attempt trusts `target` without converting again
+            fsync_tree(partial)
             os.rename(partial, target)
+            fsync_dir(directory)
+            (directory / "latest_universal").unlink(missing_ok=True)  # the tool's pointer to the partial name
             print(f"[hpcrun rank 0] {directory.parent.name} converted to DeepSpeed's universal checkpoint for "
                   f"{dist.get_world_size()} ranks in {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
         dist.barrier(group=waiting)

@@ -132,7 +132,7 @@ class StepRecorder:
         self.spent_s = 0.0  # the training thread's time in `record` and `flush`: this feature's cost
         self.flushes: list[float] = []  # of which each flush's (probes counted in `probes`)
         self.probes = 0
-        samples = ctx.env.world_size * training.micro_batch * training.grad_accum
+        samples = spec.world_size * training.micro_batch * training.grad_accum  # the planned global batch, shrunk too
         self.tokens_per_step = samples * training.seq_len if spec.size else None
         self.ids = attempt_ids(ctx)
         self.writer: Writer | None = None

@@ -104,9 +104,9 @@ class DeepSpeed(Strategy):
     set from the recipe so the two never disagree."""
 
     def resumes_at_another_world_size(self) -> bool:
-        """ZeRO-1 and -2 through DeepSpeed's universal checkpoint (DeepSpeedEngine.load); ZeRO-3's
-        partitions of the weights, and stage 0, are not converted here."""
-        return self.stage in (1, 2)
+        """ZeRO-1 and -2 through DeepSpeed's universal checkpoint (DeepSpeedEngine.load). Not ZeRO-3 nor
+        stage 0 (untested here), nor a user's JSON config, whose own stage the recipe's field may not be."""
+        return self.stage in (1, 2) and self.config is None
 
     @pydantic.model_validator(mode="after")
     def _offload_rules(self) -> DeepSpeed:
@@ -201,8 +201,8 @@ class DeepSpeed(Strategy):
         config = self.engine_config(recipe, nvme_dir, pin_memory=torch.cuda.is_available())
         config["train_batch_size"] = recipe.training.micro_batch * recipe.training.grad_accum * dist.get_world_size()
         saved = checkpoint.saved_world_size(RunDir(run_dir).checkpoints) if run_dir else None
-        if saved is not None and saved != dist.get_world_size():  # a shrink: the saving world's partitions
-            config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+        if saved not in (None, dist.get_world_size()) and self.resumes_at_another_world_size():  # a shrink
+            config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}
         if run_dir and env.is_main:  # what DeepSpeed was really given, beside the run's other provenance
             write_json(RunDir(run_dir).deepspeed_config, config)
         engine, _, _, _ = deepspeed.initialize(model=model.to(env.device), optimizer=make_optimizer, config=config)
