@@ -83,9 +83,12 @@ def test_a_lost_node_without_a_spare_shrinks_the_job(
     stepped = attempt_starts(tmp_path, run_dir)[1][1]  # the end of the shrunk attempt's first step
     print(f"\n[shrink] power off -> the first step on 2 nodes: {stepped - off:.1f} s; resumed at step "
           f"{first_step} ({shrunk['resumed_from']}), recomputed {shrunk['recomputed_steps']} step(s)")
-    # README: 60 s (measured ~16 s on the idle test cluster: the peers' 5 s, the batch script's probes
-    # and grace, four Pythons starting); a trip through the queue would show in sacct above
-    assert stepped - off <= 60, f"the first step on 2 nodes came {stepped - off:.1f} s after the power off"
+    # README: 60 s, 90 s for ZeRO-2 (measured ~16 s and 19-21 s on the idle test cluster: the peers' 5 s,
+    # the batch script's probes and grace, four Pythons starting, for ZeRO-2 importing DeepSpeed, and its
+    # conversion, a fifth; under CI's load ZeRO-2 took 60.0 s, the cold starts three times as long); a trip
+    # through the queue would show in sacct above
+    bound = 90 if strategy == "zero2" else 60
+    assert stepped - off <= bound, f"the first step on 2 nodes came {stepped - off:.1f} s after the power off"
     if strategy == "ddp":
         assert shrunk["resumed_from"] == "survivor" and shrunk["recomputed_steps"] <= 1, shrunk
     else:  # FSDP's periodic snapshots are shards of six ranks, DeepSpeed keeps none: the disk checkpoint

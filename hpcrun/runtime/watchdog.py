@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import typing as tp
+from pathlib import Path
 
 from hpcrun.rundir import RunDir
 from hpcrun.runtime import failure, heartbeat
@@ -49,6 +50,18 @@ RECENT = 100  # steps whose slowest sets the derived timeout
 BUSY_SHARE = 0.05  # a training thread on a core this share of the time (a loaded machine gives it little) works
 ON_END_S = 50.0  # the most `on_end` (a survivor's save) may take: within the batch script's SAVE_GRACE_S (60 s)
 BUSY_CAP_S = 600.0  # busy without a step for longer is hung all the same (a GPU wait spins a core: CUDA's default)
+
+
+def preemptions(task: int | None) -> int | None:
+    """How often thread `task` of this process was taken off a core while it ran (Linux's
+    nonvoluntary context switches); None where /proc does not say."""
+    try:
+        for line in Path(f"/proc/self/task/{task}/status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def derived_timeout(step_times: tp.Iterable[float], floor_s: float = FLOOR_S) -> float:
@@ -83,6 +96,8 @@ class Watchdog:
         self.pulse, self.floor_s, self.busy_cap_s, self.on_end = pulse, floor_s, busy_cap_s, on_end
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.main_thread = threading.main_thread().ident
+        self.main_task = threading.main_thread().native_id  # its /proc/self/task entry (`preemptions`)
+        self.preempted: int | None = None  # its preemptions at the last look
         self.cpu_at: tuple[float, float] | None = None  # (monotonic, the training thread's CPU seconds)
         self.last = time.monotonic()  # the hang clock's start: the last step's end, or work seen since
         self.stepped = self.last  # the last step's end (monotonic)
@@ -130,7 +145,9 @@ class Watchdog:
         return self.cpu_s
 
     def working(self) -> bool:
-        """Whether the training thread kept a core busy since the last look (its CPU clock)."""
+        """Whether the training thread kept a core busy since the last look: its CPU clock, or, where a
+        loaded machine gives it less than BUSY_SHARE of a core, the kernel taking it off a core while it
+        ran (a thread asleep in a wait, hung, is never preempted)."""
         if self.main_thread is None:
             return False
         try:
@@ -139,7 +156,12 @@ class Watchdog:
             return False
         now, before = time.monotonic(), self.cpu_at
         self.cpu_at = (now, cpu)
-        return before is not None and now > before[0] and (cpu - before[1]) / (now - before[0]) >= BUSY_SHARE
+        earlier, self.preempted = self.preempted, preemptions(self.main_task)
+        if before is None or now <= before[0]:
+            return False
+        if (cpu - before[1]) / (now - before[0]) >= BUSY_SHARE:
+            return True
+        return earlier is not None and self.preempted is not None and self.preempted > earlier
 
     def _watch(self) -> None:
         while not self.done.wait(1.0):
