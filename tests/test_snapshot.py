@@ -707,11 +707,11 @@ def same_training(tmp: Path, run_dir: Path, whole: Path, since: int) -> None:
     assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
 def test_a_shrunk_sharded_job_reshards_the_disk_checkpoint(
     strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """FSDP (full shard) or ZeRO-2 loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone):
+    """FSDP (full shard), ZeRO-2 or ZeRO-3 loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone):
     its survivors keep nothing (a dead rank's shard of the last step is nowhere else), FSDP's periodic
     snapshots are shards of four ranks (DeepSpeed keeps none), so the restart resumes from the disk
     checkpoint, resharded (DCP; DeepSpeed's universal checkpoint), each rank reducing every

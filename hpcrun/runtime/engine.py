@@ -329,7 +329,7 @@ class DeepSpeedEngine:
 
     def universal(self, directory: Path) -> str:
         """The checkpoint in `directory` as DeepSpeed's universal checkpoint, which loads at any world
-        size (ZeRO-1/2): converted by rank 0 with DeepSpeed's own tool beside the saved files (kept for
+        size (ZeRO-1, -2, -3): converted by rank 0 with DeepSpeed's own tool beside the saved files (kept for
         a later shrink of the same checkpoint), then every rank goes on. Returns its tag."""
         import datetime as dt
 
