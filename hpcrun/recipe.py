@@ -209,7 +209,7 @@ class Fault(Frozen):
     it the job is requeued. None: half its nodes, rounded up, for the built-in benchmark; its
     `nodes` (no shrink) for an entrypoint job, whose own data loading must take its share from
     `ctx.data_ranks` first (and run `ctx.padding` micro-steps of weight 0). Command and function jobs,
-    DeepSpeed's stage 0 and its optimizer on NVMe, never shrink."""
+    DeepSpeed's stage 0 and ZeRO-Infinity on NVMe, never shrink."""
     mtbf_hours: float | None = pydantic.Field(default=None, gt=0)
     """The job's expected time between failures, which spaces checkpoints and snapshots
     (hpcrun.cadence). None: the partition's `node_mtbf_hours` divided by the job's nodes."""

@@ -105,10 +105,10 @@ class DeepSpeed(Strategy):
 
     def resumes_at_another_world_size(self) -> bool:
         """ZeRO-1, -2 and -3 through DeepSpeed's universal checkpoint (DeepSpeedEngine.load). Not stage 0
-        (untested here), nor optimizer states on NVMe (DeepSpeed restores their swap files rank by rank,
-        never through a universal checkpoint), nor a user's JSON config, whose own stage the recipe's
-        field may not be."""
-        return self.stage in (1, 2, 3) and self.offload_optimizer != "nvme" and self.config is None
+        (untested here), nor ZeRO-Infinity on NVMe (DeepSpeed restores the optimizer's swap files rank by
+        rank, never through a universal checkpoint; weights alone there are untested), nor a user's JSON
+        config, whose own stage the recipe's field may not be."""
+        return self.stage in (1, 2, 3) and not self.uses_nvme() and self.config is None
 
     @pydantic.model_validator(mode="after")
     def _offload_rules(self) -> DeepSpeed:
