@@ -277,10 +277,10 @@ def test_a_shrunk_deepspeed_engines_micro_batches_count_their_share() -> None:
             return self.gas
 
     plain = Stub(4)
-    DeepSpeedEngine(plain, 4, True).micro_step(torch.zeros(1), torch.zeros(1), last=False)
+    DeepSpeedEngine(plain, 4).micro_step(torch.zeros(1), torch.zeros(1), last=False)
     assert plain.given == [plain.loss] and plain.given[0] is plain.loss
     shrunk = Stub(2)
-    engine = DeepSpeedEngine(shrunk, 1, True)
+    engine = DeepSpeedEngine(shrunk, 1)
     engine.accum = 6 * 1 / 4  # hpcrun.runtime.context: what each loss is divided by in all
     engine.micro_step(torch.zeros(1), torch.zeros(1), last=False)
     engine.micro_step(torch.zeros(1), torch.zeros(1), last=True, weight=0.0)

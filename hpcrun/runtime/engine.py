@@ -291,11 +291,10 @@ class TorchEngine:
 class DeepSpeedEngine:
     """A DeepSpeed engine: it owns accumulation, clipping, loss scaling and its checkpoints."""
 
-    def __init__(self, engine: tp.Any, accum: float, is_main: bool) -> None:
+    def __init__(self, engine: tp.Any, accum: float) -> None:
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
-        self.is_main = is_main
         # what each micro-batch's loss is divided by in all: as TorchEngine's (hpcrun.runtime.context sets it
         # after a shrink); DeepSpeed divides by its own accumulation steps, the rest is made up in micro_step
         self.accum = accum
@@ -339,7 +338,7 @@ class DeepSpeedEngine:
         # barrier of their own that long; a failed conversion ends rank 0, and their barrier with it
         waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=CONVERSION_WAIT_S))
         target = directory / UNIVERSAL
-        if self.is_main and not target.exists():
+        if dist.get_rank() == 0 and not target.exists():
             for left in directory.glob(f"{UNIVERSAL}.partial-*"):  # conversions killed halfway
                 shutil.rmtree(left, ignore_errors=True)
             partial = directory / f"{UNIVERSAL}.partial-{os.getpid()}"

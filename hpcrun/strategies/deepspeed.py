@@ -208,4 +208,4 @@ class DeepSpeed(Strategy):
         if run_dir and env.is_main:  # what DeepSpeed was really given, beside the run's other provenance
             write_json(RunDir(run_dir).deepspeed_config, config)
         engine, _, _, _ = deepspeed.initialize(model=model.to(env.device), optimizer=make_optimizer, config=config)
-        return DeepSpeedEngine(engine, recipe.training.grad_accum, env.is_main)
+        return DeepSpeedEngine(engine, recipe.training.grad_accum)
