@@ -385,19 +385,42 @@ def baseline_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return local_baseline(tmp_path_factory, 4, training=TRAINING, checkpoint=CHECKPOINT, strategy=STRATEGIES["fsdp"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_every_rank_killed_resumes_from_the_memory_snapshot(
-    strategy: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_a_killed_fsdp_rank_resumes_from_the_last_step_it_completed(tmp_path: Path, baseline_fsdp: Path) -> None:
+    """FSDP (full shard): a dead rank's shard of the last completed step is nowhere but in its own
+    snapshot of that step, so tier 0 of a sharded state is a snapshot every step
+    (`checkpoint.memory_interval: 1`). SIGKILL to rank 3 of 2 nodes x 2: the restart inside the job
+    resumes from its node-local snapshots of the last step every rank completed, recomputing at
+    most one step, not the disk interval's, with identical weights."""
+    run_dir, job = submit(
+        tmp_path, "in-job-fsdp-kill", training={**TRAINING, "log_interval": 1},
+        checkpoint={**CHECKPOINT, "memory_interval": 1}, strategy=STRATEGIES["fsdp"],
+    )
+    wait_checkpoint(run_dir)  # step 10 on disk; the next at 20
+    time.sleep(1.5)  # a few steps past it
+    faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
+    final = wait_done(run_dir, timeout=240)
+    assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
+    assert records(job) == ["COMPLETED"], records(job)
+    said = next((run_dir / "logs").glob("*_0_log.err")).read_text()
+    resumed = re.search(r"resumed from (\w+) snapshot \(step (\d+)\)", said)
+    assert resumed and resumed[1] == "memory" and 10 < int(resumed[2]) < 20, said[-3000:]
+    table = rows(tmp_path, run_dir)
+    restarted = table[table.attempt == 1].iloc[0]
+    print(f"\n[fsdp tier 0] {resumed[0]}; recomputed {restarted['recomputed_steps']} steps, restart "
+          f"{restarted['restart_s']:.1f} s")
+    assert restarted["resumed_from"] == "memory" and restarted["recomputed_steps"] <= 1, restarted
+    assert (run_dir / "weights.sha256").read_text() == baseline_weights(baseline_fsdp)
+
+
+def test_every_rank_killed_resumes_from_the_memory_snapshot(tmp_path: Path, baseline: Path) -> None:
     """SIGKILL of every rank of 2 nodes x 2 at once (the batch script alive), past the disk
     checkpoint: the restart inside the job resumes from each rank's own node's in-memory
     snapshot, recomputing at most `checkpoint.memory_interval` steps, not the disk interval's,
-    with identical weights. DDP, and FSDP, whose ranks each hold their own shard."""
-    baseline = request.getfixturevalue("baseline" if strategy == "ddp" else "baseline_fsdp")
+    with identical weights. (FSDP's ranks restore their shards from the same snapshots: the test above.)"""
     memory_interval = 2
     run_dir, job = submit(
         tmp_path, "in-job-all", training={**TRAINING, "log_interval": 1},  # every step in rank 0's log
-        checkpoint={**CHECKPOINT, "memory_interval": memory_interval}, strategy=STRATEGIES[strategy],
+        checkpoint={**CHECKPOINT, "memory_interval": memory_interval},
     )
     wait_checkpoint(run_dir)  # step 10 on disk; the next at 20
     log = next((run_dir / "logs").glob("*_0_log.out"))

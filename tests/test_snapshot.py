@@ -116,17 +116,23 @@ def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: st
     return run_dir, nodes, job_id
 
 
-BASELINES: dict[str, Path] = {}
-
-
 def baseline(factory: pytest.TempPathFactory, strategy: str) -> Path:
-    """The same training never interrupted, with no snapshots (one per strategy and session)."""
-    if strategy not in BASELINES:
-        tmp = factory.mktemp(f"whole-{strategy}")
-        run_dir = prepared(tmp, "whole", 0.0, 0, 1000, strategy)
-        finished(launch(run_dir, [tmp / "nodeA", tmp / "nodeB"], str(random.randint(1000, 11000))), run_dir)
-        BASELINES[strategy] = run_dir
-    return BASELINES[strategy]
+    """The same training never interrupted, with no snapshots: once per strategy and test session,
+    pytest-xdist's workers sharing it (a lock, and a file naming the finished run)."""
+    from filelock import FileLock
+
+    base = factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "snapshot-baselines"
+    shared.mkdir(parents=True, exist_ok=True)
+    done = shared / f"{strategy}.run"
+    with FileLock(shared / f"{strategy}.lock"):
+        if not done.exists():
+            tmp = shared / strategy
+            tmp.mkdir()
+            run_dir = prepared(tmp, "whole", 0.0, 0, 1000, strategy)
+            finished(launch(run_dir, [tmp / "nodeA", tmp / "nodeB"], str(random.randint(1000, 11000))), run_dir)
+            done.write_text(str(run_dir))
+    return Path(done.read_text())
 
 
 def resumed(tmp: Path, run_dir: Path, nodes: list[Path], job_id: str, baseline: Path) -> dict[str, tp.Any]:
@@ -707,15 +713,16 @@ def same_training(tmp: Path, run_dir: Path, whole: Path, since: int) -> None:
     assert len(got) == len(want) and worst <= SHRINK_RTOL and weights_off <= SHRINK_WTOL, (got, want, weights_off)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
+# ZeRO-2: tests/test_cluster_shrink.py, the same path on the cluster
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_a_shrunk_sharded_job_reshards_the_disk_checkpoint(
     strategy: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """FSDP (full shard), ZeRO-2 or ZeRO-3 loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone):
+    """FSDP (full shard) or ZeRO-3 loses pretend node B (ranks 2 and 3 SIGKILLed, its scratch gone):
     its survivors keep nothing (a dead rank's shard of the last step is nowhere else), FSDP's periodic
     snapshots are shards of four ranks (DeepSpeed keeps none), so the restart resumes from the disk
     checkpoint, resharded (DCP; DeepSpeed's universal checkpoint), each rank reducing every
-    micro-batch's gradients (FSDP: no full unsharded gradients held, sync_every; ZeRO-2 always). On
+    micro-batch's gradients (FSDP: no full unsharded gradients held, sync_every; DeepSpeed always). On
     three ranks (rank 2 on a replacement for node B, its scratch empty): the four slices of a step are
     shared unevenly (2, 1, 1), so ranks 1 and 2 run one micro-batch of weight 0 (Context.padding) to
     join rank 0's second reduction; the same global batch, within README's tolerances."""
