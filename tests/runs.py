@@ -132,6 +132,14 @@ def wait_for(
     raise AssertionError(f"timed out waiting for {what}" + (f": {detail()}" if detail else ""))
 
 
+def session_dir(tmp_path_factory: tp.Any, name: str) -> Path:
+    """A directory of this test session that its pytest-xdist workers share (made)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    shared.mkdir(parents=True, exist_ok=True)
+    return tp.cast(Path, shared)
+
+
 def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Path:
     """An uninterrupted run of a cluster test's training on this machine (`--site local`, one
     node, `world` CPU ranks): same world size, same numbers, so its weights are what an
@@ -143,12 +151,8 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
 
     from tests.delayed_training import entrypoint_job
 
-    base = tmp_path_factory.getbasetemp()
     # HPCRUN_TEST_BASELINES: a directory pytest processes running at once share (.ci/run)
-    shared = Path(
-        os.environ.get("HPCRUN_TEST_BASELINES")
-        or (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines"
-    )
+    shared = Path(os.environ.get("HPCRUN_TEST_BASELINES") or session_dir(tmp_path_factory, "baselines"))
     shared.mkdir(parents=True, exist_ok=True)
     fields = {
         "job": entrypoint_job(str(ROOT), 0.0),

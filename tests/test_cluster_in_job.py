@@ -396,8 +396,11 @@ def test_a_killed_fsdp_rank_resumes_from_the_last_step_it_completed(tmp_path: Pa
         checkpoint={**CHECKPOINT, "memory_interval": 1}, strategy=STRATEGIES["fsdp"],
     )
     wait_checkpoint(run_dir)  # step 10 on disk; the next at 20
-    time.sleep(1.5)  # a few steps past it
-    faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
+    ranks = [faults.rank_pid(job, rank, attempt=0) for rank in range(4)]
+    deadline = time.time() + 60
+    while time.time() < deadline and snapshot_step(run_dir, job, ranks) <= 11:
+        time.sleep(0.05)  # snapshots past the disk's on every rank's node
+    os.kill(ranks[3][0], signal.SIGKILL)
     final = wait_done(run_dir, timeout=240)
     assert final["status"] == "completed" and final.get("restarts_in_job") == 1, final
     assert records(job) == ["COMPLETED"], records(job)

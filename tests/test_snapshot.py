@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from hpcrun import rundir, slurm
 from hpcrun.backend import prepare
@@ -33,7 +34,18 @@ from hpcrun.runtime.env import DistEnv
 from hpcrun.site import load_site
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
-from tests.runs import STRATEGIES, hpcrun, losses, recipe, rows, run_dir_of, site_copy, state, wait_for
+from tests.runs import (
+    STRATEGIES,
+    hpcrun,
+    losses,
+    recipe,
+    rows,
+    run_dir_of,
+    session_dir,
+    site_copy,
+    state,
+    wait_for,
+)
 from tests.test_fault_tolerance import alive, weights
 
 pytestmark = pytest.mark.slow
@@ -119,15 +131,12 @@ def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: st
 def baseline(factory: pytest.TempPathFactory, strategy: str) -> Path:
     """The same training never interrupted, with no snapshots: once per strategy and test session,
     pytest-xdist's workers sharing it (a lock, and a file naming the finished run)."""
-    from filelock import FileLock
-
-    base = factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "snapshot-baselines"
-    shared.mkdir(parents=True, exist_ok=True)
+    shared = session_dir(factory, "snapshot-baselines")
     done = shared / f"{strategy}.run"
     with FileLock(shared / f"{strategy}.lock"):
         if not done.exists():
             tmp = shared / strategy
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed try's
             tmp.mkdir()
             run_dir = prepared(tmp, "whole", 0.0, 0, 1000, strategy)
             finished(launch(run_dir, [tmp / "nodeA", tmp / "nodeB"], str(random.randint(1000, 11000))), run_dir)
