@@ -51,7 +51,8 @@ def test_a_stop_signal_to_the_batch_shell_reaches_the_step(
     (the stub srun, like a real one, lives on: the script's own subshell and tee must too).
     `array`: the job is task 3 of array 120, and only that task is signalled, not the sweep."""
     site = site_copy(tmp_path, "testcluster")
-    script = cli("render", "--site", str(site), "--run-id", "r-sig", "jobs/quickstart.yaml").stdout
+    # a run id of its own: the cases run at once under xdist, and the run directory is the site's
+    script = cli("render", "--site", str(site), "--run-id", f"r-sig-{tmp_path.name}", "jobs/quickstart.yaml").stdout
     assert script.startswith("#!/bin/bash"), script
     (tmp_path / "job.sh").write_text(script)
     bindir = tmp_path / "bin"
@@ -79,4 +80,4 @@ def test_a_stop_signal_to_the_batch_shell_reaches_the_step(
     log = (tmp_path / "log").read_text().splitlines()
     target = "120_3" if array else "123"
     passed = f"scancel -Q --state=RUNNING --signal={sig.name.removeprefix('SIG')} {target}"  # of a running job only
-    assert log == [passed, "failure step: 7"], (log, err)
+    assert log == [passed, "failure step: 7"], f"{log}\n{err}"
