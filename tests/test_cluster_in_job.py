@@ -155,7 +155,9 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     for node in faults.NODES:  # job 1 ended long ago
         leftover = tp.cast(Path, faults.node_scratch(node, LOCAL_SCRATCH)) / "hpcrun-1-0" / "run" / "rank-00000"
         leftover.mkdir(parents=True, exist_ok=True)
-    run_dir, job = submit(tmp_path, "in-job-kill")
+    # 0.8 s a step: the 20 steps past the checkpoint leave >= 16 s for the kill, which CI's load once spent
+    # entirely before it (the job completed at attempt 0, rank 3 killed at its end)
+    run_dir, job = submit(tmp_path, "in-job-kill", job=entrypoint_job(str(ROOT), 0.8))
     wait_checkpoint(run_dir)
     assert faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3]
     # a process of the failed attempt slow to leave (as a rank freeing tens of GB of pinned memory
