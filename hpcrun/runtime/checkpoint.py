@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 import time
 import typing as tp
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStage
 
 from hpcrun import __version__, rundir, torchrange
 from hpcrun.rundir import CorruptStateError, RunDir, atomic_path, atomic_write, fsync_dir, read_json
+from hpcrun.runtime import zeroinfinity
 from hpcrun.runtime.env import DistEnv
 
 WRITER_THREADS = 4  # copy + write against the disk: 2 threads 0.48, 4 threads 0.63, 8 threads 0.29 (RESULTS.md)
@@ -381,7 +383,13 @@ def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
         if manifest["strategy"] == "deepspeed":
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = get_fp32_state_dict_from_zero_checkpoint(str(rundir.engine_state(path)), tag=rundir.ENGINE_STATE)
+            saved = rundir.engine_state(path)
+            if zeroinfinity.swaps_optimizer(saved / rundir.ENGINE_STATE):  # the converter reads no swap file
+                with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as folder:
+                    zeroinfinity.filled(saved / rundir.ENGINE_STATE, Path(folder) / rundir.ENGINE_STATE)
+                    state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=rundir.ENGINE_STATE)
+            else:
+                state = get_fp32_state_dict_from_zero_checkpoint(str(saved), tag=rundir.ENGINE_STATE)
         else:
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

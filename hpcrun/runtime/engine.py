@@ -325,6 +325,12 @@ class DeepSpeedEngine:
         path, _ = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
+        if self.engine.zero_nvme_offload_optimizer():  # what DeepSpeed's own load leaves out
+            import torch.distributed as dist
+
+            from hpcrun.runtime import zeroinfinity
+
+            zeroinfinity.restore(self.engine, directory / tag, dist.get_rank())
 
     def universal(self, directory: Path) -> str:
         """The checkpoint in `directory` as DeepSpeed's universal checkpoint, which loads at any world
