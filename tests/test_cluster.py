@@ -178,10 +178,10 @@ def test_zero_infinity_across_two_nodes(shared: Path) -> None:
         checkpoint={"interval": 15},
     )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), str(rec)))
-    swapping: set[str] = set()  # rank folders seen holding swap files under the job's NVMe directory while it ran
+    swapping: set[str] = set()  # optimizer rank folders seen holding swap files under the job's NVMe directory
     deadline = time.time() + 600
     while time.time() < deadline and status(run_dir) is None:
-        swapping |= {p.parent.name for p in nvme.glob("hpcrun-*/**/rank*/*.tensor.swp")}
+        swapping |= {p.parent.name for p in nvme.glob("hpcrun-*/**/optimizer/rank*/*.tensor.swp")}
         time.sleep(0.2)
     assert wait_state(site, run_dir, {"COMPLETED", "FAILED"}) == "COMPLETED", state(run_dir)
     assert state(run_dir)["status"] == "completed"

@@ -1,10 +1,10 @@
 """Exact resume: a run stopped politely and resumed ends with the same weights (sha256 of
 `checkpoint.export_final`) and the same per-step losses as a run never stopped, for DDP at world
 size 4 and FSDP, ZeRO-3, ZeRO-2 and ZeRO-Infinity (optimizer and weights on NVMe) at 2; the DDP run
-is also killed outright after a later checkpoint and resumed again. What a kill adds (a resume from an older checkpoint than the last
-step, steps trained twice and their losses recorded once) is hpcrun's, not the strategy's: every
-strategy saves into a step directory hpcrun commits, so one strategy proves it (CI time: a
-4-rank DeepSpeed attempt costs this machine ~50 s of CPU).
+is also killed outright after a later checkpoint and resumed again. What a kill adds (a resume from
+an older checkpoint than the last step, steps trained twice and their losses recorded once) is
+hpcrun's, not the strategy's: every strategy saves into a step directory hpcrun commits, so one
+strategy proves it (CI time: a 4-rank DeepSpeed attempt costs this machine ~50 s of CPU).
 
 At 2 ranks a sum of two numbers has one order, so 2-rank tests cannot see a reduction whose order
 changes after a restart; at 4 ranks DDP's default bucketed all-reduce does (its buckets are
@@ -41,7 +41,7 @@ STEP_DELAY_S = 0.5  # the stopped job lasts >= 6 s: time to signal, then to kill
 
 def trained_and_measured(tmp_path: Path, name: str, run_dir: Path, strategy: dict[str, object], world: int) -> None:
     """The uninterrupted run trained (its loss fell) and filled every measured column of its
-    results row: for these four strategies this replaces a separate 2-rank training test
+    results row: for these five strategies this replaces a separate 2-rank training test
     (tests/test_runtime.py `test_strategy_trains` covers the others, and the columns derived from
     the built-in model's size, which an entrypoint job like this one does not declare)."""
     assert state(run_dir)["status"] == "completed"

@@ -14,16 +14,14 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import typing as tp
 from pathlib import Path
 
 import torch
 
 SWAPPED = "offloaded_tensors"  # DeepSpeed's folder of each rank's swap files in a checkpoint
-OPTIMIZER_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
-WEIGHTS_FILE = re.compile(r"(\d+)_(\d+)\.tensor\.swp")  # a sub-group's fp32 partition: its first and last ds_id
-MOMENTS = ("exp_avg", "exp_avg_sq")
+# a rank's partition files: "bf16_" when bf16 is on (DeepSpeed's _get_zero_ckpt_prefix)
+PARTITIONS = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states\.pt")
 
 
 def swaps_optimizer(tag_dir: Path) -> bool:
@@ -31,26 +29,37 @@ def swaps_optimizer(tag_dir: Path) -> bool:
     return (tag_dir / SWAPPED).is_dir()
 
 
-def optimizer_file(tag_dir: Path, rank: int) -> Path:
-    return tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def partition_file(tag_dir: Path, rank: int, kind: str = "optim") -> Path:
+    """Rank `rank`'s optimizer (or model) states file in DeepSpeed checkpoint folder `tag_dir`."""
+    found = [p for p in tag_dir.iterdir() if (m := PARTITIONS.fullmatch(p.name)) and (int(m[1]), m[2]) == (rank, kind)]
+    if len(found) != 1:
+        raise RuntimeError(f"{tag_dir}: {len(found)} {kind} states files of rank {rank}, expected one")
+    return found[0]
 
 
 def restore(engine: tp.Any, tag_dir: Path, rank: int) -> None:
     """After `engine.load_checkpoint` of `tag_dir` at the world size that saved it: this rank's optimizer
     state as saved. A sub-group kept in memory gets its fp32 weights and state from the partition file; a
-    swapped one gets its state's placeholders, which DeepSpeed's swapper registers and reads from the swap
-    files `load_checkpoint` copied back. Then every sub-group passes through the swapper once and the
-    weights the model computes with are set from the fp32 ones (collective: persistent parameters are
-    gathered again)."""
+    swapped one gets its state's placeholders, which DeepSpeed's swapper (its registrations purged first, as
+    DeepSpeed's own partition load does) registers and reads from the swap files `load_checkpoint` copied
+    back. Then every sub-group passes through the swapper once and the weights the model computes with are
+    set from the fp32 ones (collective: persistent parameters are gathered again)."""
     optimizer = engine.optimizer
-    saved = torch.load(optimizer_file(tag_dir, rank), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    path = partition_file(tag_dir, rank)
+    saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     states, flats = saved["optimizer_state_dict"]["state"], saved["fp32_flat_groups"]
-    if len(flats) != len(optimizer.fp32_partitioned_groups_flat):
-        raise RuntimeError(f"{optimizer_file(tag_dir, rank)}: {len(flats)} sub-groups saved, "
-                           f"{len(optimizer.fp32_partitioned_groups_flat)} here")
+    here = optimizer.fp32_partitioned_groups_flat
+    if [getattr(f, "ds_id", None) for f in flats] != [getattr(f, "ds_id", None) for f in here]:
+        raise RuntimeError(f"{path}: its sub-groups are not this engine's (another model or sub_group_size?)")
     optimizer.checkpoint_event_prologue()
-    for index, fp32 in enumerate(optimizer.fp32_partitioned_groups_flat):
+    optimizer.optimizer_swapper.purge_state()
+    for attribute in ("loss_scaler", "dynamic_loss_scale", "overflow"):  # fp16's loss scale
+        setattr(optimizer, attribute, saved[attribute])
+    for index, fp32 in enumerate(here):
         state, numel = states.get(index, {}), optimizer.fp16_partitioned_groups_flat_numel[index]
+        if flats[index].numel() != (0 if fp32.numel() == 0 else numel):
+            raise RuntimeError(f"{path}: sub-group {index} saved {'in memory' if flats[index].numel() else 'swapped'}"
+                               f", {'swapped' if fp32.numel() == 0 else 'in memory'} here")
         if flats[index].numel():  # kept in memory
             fp32.data.copy_(flats[index])
         optimizer.optimizer.state[fp32] = {
@@ -63,41 +72,35 @@ def restore(engine: tp.Any, tag_dir: Path, rank: int) -> None:
 
 
 def filled(tag_dir: Path, dest: Path) -> None:
-    """A copy of ZeRO-3 checkpoint folder `tag_dir` at `dest` (created) whose partition files hold what was
-    swapped out to NVMe, read back from the checkpoint's swap files; the other files are hard links."""
+    """A copy of ZeRO-3 checkpoint folder `tag_dir` at `dest` (created) whose optimizer files hold the fp32
+    partitions that were swapped out to NVMe, read back from the checkpoint's swap files (what DeepSpeed's
+    zero_to_fp32 reads; the optimizer's moments are left out); the other files are symbolic links."""
     dest.mkdir(parents=True)
     for path in tag_dir.iterdir():
-        match = OPTIMIZER_FILE.fullmatch(path.name)
+        match = PARTITIONS.fullmatch(path.name)
         if path.name == SWAPPED:
             continue
-        if match is None:
-            (shutil.copytree if path.is_dir() else os.link)(path, dest / path.name)
+        if match is None or match[2] == "model":
+            os.symlink(path.resolve(), dest / path.name)
             continue
         rank = int(match[1])
         saved = torch.load(path, map_location="cpu", weights_only=False)
         partitions = saved["optimizer_state_dict"]
-        model = torch.load(tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", map_location="cpu",
-                           weights_only=False)
-        swap_dir = tag_dir / SWAPPED / f"rank{rank:02d}"
-        files = sorted((f for f in swap_dir.iterdir() if WEIGHTS_FILE.fullmatch(f.name)),
-                       key=lambda f: int(WEIGHTS_FILE.fullmatch(f.name)[1]))  # type: ignore[index]
-        swapped = [i for i, flat in enumerate(partitions["fp32_flat_groups"]) if flat.numel() == 0]
-        if len(files) != len(swapped):
-            raise RuntimeError(f"{swap_dir}: {len(files)} swapped sub-groups, {len(swapped)} expected from {path}")
+        del partitions["optimizer_state_dict"]
+        shapes = torch.load(partition_file(tag_dir, rank, "model"), map_location="cpu", weights_only=False)
         ranks = partitions["partition_count"]
-        for index, weights in zip(swapped, files):
-            # the rank's slice of each of the sub-group's parameters, padded to a multiple of the ranks
-            numel = sum(math.ceil(math.prod(shape) / ranks) for shape in model["param_shapes"][index].values())
-            partitions["fp32_flat_groups"][index] = read(weights, numel)
-            state = partitions["optimizer_state_dict"]["state"][index]
-            for key in MOMENTS:
-                state[key] = read(weights.with_name(f"{key}-{weights.name}"), numel)
+        for index, flat in enumerate(partitions["fp32_flat_groups"]):
+            if flat.numel() == 0:  # swapped: its file is named by the sub-group's first and last parameter ids
+                # the rank's slice of each of the sub-group's parameters, padded to a multiple of the ranks
+                numel = sum(math.ceil(math.prod(s) / ranks) for s in shapes["param_shapes"][index].values())
+                swapped = tag_dir / SWAPPED / f"rank{rank:02d}" / f"{flat.ds_id}.tensor.swp"
+                partitions["fp32_flat_groups"][index] = read(swapped, numel, flat.dtype)
         torch.save(saved, dest / path.name)
 
 
-def read(path: Path, numel: int) -> torch.Tensor:
-    """The first `numel` fp32 values of raw swap file `path` (DeepSpeed pads it to its I/O alignment)."""
-    size = path.stat().st_size
-    if size < 4 * numel:
-        raise RuntimeError(f"{path}: {size} bytes, fewer than the {numel} fp32 values of its partition")
-    return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).clone()
+def read(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `numel` values of raw swap file `path` (DeepSpeed pads it to its I/O alignment)."""
+    size, need = path.stat().st_size, numel * dtype.itemsize
+    if size < need:
+        raise RuntimeError(f"{path}: {size} bytes, fewer than the {need} of its partition")
+    return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).clone()
