@@ -319,17 +319,20 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(directory), tag=ENGINE_STATE)
 
     def load(self, directory: Path) -> None:
-        tag = ENGINE_STATE
+        import torch.distributed as dist
+
+        from hpcrun.runtime import zeroinfinity
+
+        tag, swapping = ENGINE_STATE, self.engine.zero_nvme_offload_optimizer()
         if self.engine.load_universal_checkpoint():  # saved by another world size (DeepSpeed.build): converted
             tag = self.universal(directory)
+            if swapping:  # DeepSpeed's own loader of it fails on a swapped sub-group
+                zeroinfinity.reshard(self.engine, directory / tag)
+                return
         path, _ = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
-        if self.engine.zero_nvme_offload_optimizer():  # what DeepSpeed's own load leaves out
-            import torch.distributed as dist
-
-            from hpcrun.runtime import zeroinfinity
-
+        if swapping:  # what DeepSpeed's own load leaves out
             zeroinfinity.restore(self.engine, directory / tag, dist.get_rank())
 
     def universal(self, directory: Path) -> str:
@@ -340,21 +343,29 @@ class DeepSpeedEngine:
 
         import torch.distributed as dist
 
+        from hpcrun.runtime import zeroinfinity
+
         # a large model's conversion takes minutes (the tool reads every partition): the others wait in a
         # barrier of their own that long; a failed conversion ends rank 0, and their barrier with it
         waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=CONVERSION_WAIT_S))
         target = directory / UNIVERSAL
         if dist.get_rank() == 0 and not target.exists():
-            for left in directory.glob(f"{UNIVERSAL}.partial-*"):  # conversions killed halfway
+            for left in [*directory.glob(f"{UNIVERSAL}.partial-*"), *directory.glob(f"{UNIVERSAL}.filled-*")]:
                 shutil.rmtree(left, ignore_errors=True)
             partial = directory / f"{UNIVERSAL}.partial-{os.getpid()}"
             tool, began = "deepspeed.checkpoint.ds_to_universal", time.monotonic()
+            saved = directory / ENGINE_STATE  # DeepSpeed's folder of the tag
+            if zeroinfinity.swaps_optimizer(saved):  # the tool reads no swap file
+                saved = directory / f"{UNIVERSAL}.filled-{os.getpid()}"
+                zeroinfinity.filled(directory / ENGINE_STATE, saved, moments=True)
             # --inject_missing_state: the metadata only a Megatron-style client saves, empty for a plain model
             out = subprocess.run(
-                [sys.executable, "-m", tool, "--input_folder", str(directory / ENGINE_STATE),
-                 "--output_folder", str(partial), "--inject_missing_state"],
+                [sys.executable, "-m", tool, "--input_folder", str(saved), "--output_folder", str(partial),
+                 "--inject_missing_state"],
                 capture_output=True, text=True,
             )
+            if saved != directory / ENGINE_STATE:
+                shutil.rmtree(saved)
             if out.returncode != 0:
                 raise RuntimeError(f"{tool} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
             # durable before it is named: a later attempt trusts `target` without converting again

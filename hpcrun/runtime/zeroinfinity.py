@@ -21,6 +21,7 @@ import torch
 
 SWAPPED = "offloaded_tensors"  # DeepSpeed's folder of each rank's swap files in a checkpoint
 # a rank's partition files: "bf16_" when bf16 is on (DeepSpeed's _get_zero_ckpt_prefix)
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, as DeepSpeed's universal checkpoint names them
 PARTITIONS = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states\.pt")
 
 
@@ -71,10 +72,54 @@ def restore(engine: tp.Any, tag_dir: Path, rank: int) -> None:
     optimizer.checkpoint_event_epilogue()
 
 
-def filled(tag_dir: Path, dest: Path) -> None:
+def reshard(engine: tp.Any, folder: Path) -> None:
+    """This rank's part of DeepSpeed universal checkpoint `folder` (saved at another world size, converted from
+    `filled` partition files), for a ZeRO-3 engine whose optimizer swaps to NVMe; DeepSpeed's own loader of it
+    fails on a swapped sub-group. Each sub-group's partition is cut from its parameters' full tensors as
+    ZeRO-3 partitions them (padded to a multiple of the ranks, this rank's slice), one parameter at a time; a
+    sub-group kept in memory takes it there, a swapped one as its swap files, where the swapper reads them
+    (its registrations purged, as in `restore`). Collective, as `restore`."""
+    import torch.distributed as dist
+
+    optimizer, swapper = engine.optimizer, engine.optimizer.optimizer_swapper
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    names = {param: name for name, param in engine.module.named_parameters()}
+    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    steps = {state.get("step") for state in saved["optimizer_state_dict"]["state"].values()} - {None}
+
+    def part(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        full = torch.load(folder / "zero" / names[param] / f"{key}.pt", map_location="cpu", weights_only=False)
+        full = full.flatten()
+        size = math.ceil(full.numel() / ranks)
+        return torch.nn.functional.pad(full, (0, size * ranks - full.numel()))[rank * size : (rank + 1) * size]
+
+    optimizer.checkpoint_event_prologue()
+    swapper.purge_state()
+    for attribute in ("loss_scaler", "dynamic_loss_scale", "overflow"):
+        setattr(optimizer, attribute, saved[attribute])
+    for index, fp32 in enumerate(optimizer.fp32_partitioned_groups_flat):
+        flat = {key: torch.cat([part(p, key) for p in optimizer.fp16_groups[index]]) for key in ("fp32", *MOMENTS)}
+        state: dict[str, tp.Any] = {"step": torch.tensor(float(max(steps)))} if steps else {}
+        if fp32.numel():  # kept in memory
+            fp32.data.copy_(flat["fp32"])
+            state.update({key: flat[key] for key in MOMENTS} if steps else {})
+        else:  # padded to the swapper's I/O alignment, as it writes them
+            pad = -flat["fp32"].numel() % swapper.numel_alignment
+            for key, prefix in (("fp32", ""), *((key, f"{key}-") for key in MOMENTS)):
+                if key == "fp32" or steps:
+                    path = Path(swapper.swap_folder) / f"{prefix}{fp32.ds_id}.tensor.swp"
+                    torch.nn.functional.pad(flat[key].to(fp32.dtype), (0, pad)).numpy().tofile(path)
+            state.update({key: torch.empty(flat["fp32"].numel(), dtype=fp32.dtype) for key in MOMENTS} if steps else {})
+        optimizer.optimizer.state[fp32] = state
+    optimizer.reset_swap_buffers()
+    optimizer.checkpoint_event_epilogue()
+
+
+def filled(tag_dir: Path, dest: Path, moments: bool = False) -> None:
     """A copy of ZeRO-3 checkpoint folder `tag_dir` at `dest` (created) whose optimizer files hold the fp32
     partitions that were swapped out to NVMe, read back from the checkpoint's swap files (what DeepSpeed's
-    zero_to_fp32 reads; the optimizer's moments are left out); the other files are symbolic links."""
+    zero_to_fp32 reads), and Adam's moments too if `moments` (for its universal conversion; else they are
+    left out); the other files are symbolic links."""
     dest.mkdir(parents=True)
     for path in tag_dir.iterdir():
         match = PARTITIONS.fullmatch(path.name)
@@ -86,7 +131,8 @@ def filled(tag_dir: Path, dest: Path) -> None:
         rank = int(match[1])
         saved = torch.load(path, map_location="cpu", weights_only=False)
         partitions = saved["optimizer_state_dict"]
-        del partitions["optimizer_state_dict"]
+        if not moments:
+            del partitions["optimizer_state_dict"]
         shapes = torch.load(partition_file(tag_dir, rank, "model"), map_location="cpu", weights_only=False)
         ranks = partitions["partition_count"]
         for index, flat in enumerate(partitions["fp32_flat_groups"]):
@@ -95,6 +141,9 @@ def filled(tag_dir: Path, dest: Path) -> None:
                 numel = sum(math.ceil(math.prod(s) / ranks) for s in shapes["param_shapes"][index].values())
                 swapped = tag_dir / SWAPPED / f"rank{rank:02d}" / f"{flat.ds_id}.tensor.swp"
                 partitions["fp32_flat_groups"][index] = read(swapped, numel, flat.dtype)
+                state = partitions["optimizer_state_dict"]["state"].get(index, {}) if moments else {}
+                for key in MOMENTS if state else ():
+                    state[key] = read(swapped.with_name(f"{key}-{swapped.name}"), numel, flat.dtype)
         torch.save(saved, dest / path.name)
 
 

@@ -104,11 +104,10 @@ class DeepSpeed(Strategy):
     set from the recipe so the two never disagree."""
 
     def resumes_at_another_world_size(self) -> bool:
-        """ZeRO-1, -2 and -3 through DeepSpeed's universal checkpoint (DeepSpeedEngine.load), ZeRO-3's
-        weights on NVMe too. Not stage 0 (untested here), nor the optimizer on NVMe (DeepSpeed restores
-        its swap files rank by rank, never through a universal checkpoint), nor a user's JSON config,
-        whose own stage the recipe's field may not be."""
-        return self.stage in (1, 2, 3) and self.offload_optimizer != "nvme" and self.config is None
+        """ZeRO-1, -2 and -3 through DeepSpeed's universal checkpoint (DeepSpeedEngine.load), ZeRO-Infinity's
+        NVMe too (its swapped partitions converted and loaded by hpcrun.runtime.zeroinfinity). Not stage 0
+        (untested here), nor a user's JSON config, whose own stage the recipe's field may not be."""
+        return self.stage in (1, 2, 3) and self.config is None
 
     @pydantic.model_validator(mode="after")
     def _offload_rules(self) -> DeepSpeed:
