@@ -25,7 +25,6 @@ STRATEGIES: dict[str, dict[str, tp.Any]] = {
     "zero3": {"name": "deepspeed", "stage": 3},
     "zero3-cpu-offload": {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
     "zero3-nvme-offload": {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
-    "zero3-nvme-weights": {"name": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "nvme"},
 }
 
 
