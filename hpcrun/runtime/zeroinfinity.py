@@ -6,7 +6,8 @@ tensor in the partition file, its data only in the swap files. Its own resume (`
 files back and skips the partition files, and so, measured with DeepSpeed 0.19 at the same world size, loses
 Adam's moments and step count (its swapper reads a state's file only once the optimizer has stepped in this
 process) and gives a sub-group too small to swap its initial weights. `restore` finishes that resume; `filled`
-gives DeepSpeed's converter (zero_to_fp32) the swapped partitions it would otherwise find empty.
+gives DeepSpeed's converters (zero_to_fp32, ds_to_universal) the swapped partitions they would otherwise find
+empty; `reshard` loads the universal checkpoint at another world size, which DeepSpeed's own loader cannot.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 
 SWAPPED = "offloaded_tensors"  # DeepSpeed's folder of each rank's swap files in a checkpoint
-# a rank's partition files: "bf16_" when bf16 is on (DeepSpeed's _get_zero_ckpt_prefix)
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, as DeepSpeed's universal checkpoint names them
+# a rank's partition files: "bf16_" when bf16 is on (DeepSpeed's _get_zero_ckpt_prefix)
 PARTITIONS = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states\.pt")
 
 
