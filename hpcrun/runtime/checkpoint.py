@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 import time
 import typing as tp
 from concurrent.futures import Future
@@ -383,13 +382,9 @@ def consolidate(run_dir: Path, step: int | None = None) -> tuple[Path, str]:
         if manifest["strategy"] == "deepspeed":
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            saved = rundir.engine_state(path)
-            if zeroinfinity.swaps_optimizer(saved / rundir.ENGINE_STATE):  # the converter reads no swap file
-                with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as folder:
-                    zeroinfinity.filled(saved / rundir.ENGINE_STATE, Path(folder) / rundir.ENGINE_STATE)
-                    state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=rundir.ENGINE_STATE)
-            else:
-                state = get_fp32_state_dict_from_zero_checkpoint(str(saved), tag=rundir.ENGINE_STATE)
+            tag_dir = rundir.engine_state(path) / rundir.ENGINE_STATE
+            with zeroinfinity.readable(tag_dir, out.parent, f".{out.name}.") as saved:  # it reads no swap file
+                state = get_fp32_state_dict_from_zero_checkpoint(str(saved.parent), tag=saved.name)
         else:
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

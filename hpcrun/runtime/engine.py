@@ -319,8 +319,6 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(directory), tag=ENGINE_STATE)
 
     def load(self, directory: Path) -> None:
-        import torch.distributed as dist
-
         from hpcrun.runtime import zeroinfinity
 
         tag, swapping = ENGINE_STATE, self.engine.zero_nvme_offload_optimizer()
@@ -333,7 +331,7 @@ class DeepSpeedEngine:
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
         if swapping:  # what DeepSpeed's own load leaves out
-            zeroinfinity.restore(self.engine, directory / tag, dist.get_rank())
+            zeroinfinity.restore(self.engine, directory / tag)
 
     def universal(self, directory: Path) -> str:
         """The checkpoint in `directory` as DeepSpeed's universal checkpoint, which loads at any world
@@ -354,18 +352,13 @@ class DeepSpeedEngine:
                 shutil.rmtree(left, ignore_errors=True)
             partial = directory / f"{UNIVERSAL}.partial-{os.getpid()}"
             tool, began = "deepspeed.checkpoint.ds_to_universal", time.monotonic()
-            saved = directory / ENGINE_STATE  # DeepSpeed's folder of the tag
-            if zeroinfinity.swaps_optimizer(saved):  # the tool reads no swap file
-                saved = directory / f"{UNIVERSAL}.filled-{os.getpid()}"
-                zeroinfinity.filled(directory / ENGINE_STATE, saved, moments=True)
             # --inject_missing_state: the metadata only a Megatron-style client saves, empty for a plain model
-            out = subprocess.run(
-                [sys.executable, "-m", tool, "--input_folder", str(saved), "--output_folder", str(partial),
-                 "--inject_missing_state"],
-                capture_output=True, text=True,
-            )
-            if saved != directory / ENGINE_STATE:
-                shutil.rmtree(saved)
+            with zeroinfinity.readable(directory / ENGINE_STATE, directory, f"{UNIVERSAL}.filled-", True) as saved:
+                out = subprocess.run(
+                    [sys.executable, "-m", tool, "--input_folder", str(saved), "--output_folder", str(partial),
+                     "--inject_missing_state"],
+                    capture_output=True, text=True,
+                )
             if out.returncode != 0:
                 raise RuntimeError(f"{tool} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
             # durable before it is named: a later attempt trusts `target` without converting again

@@ -12,9 +12,11 @@ empty; `reshard` loads the universal checkpoint at another world size, which Dee
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import tempfile
 import typing as tp
 from pathlib import Path
 
@@ -39,36 +41,48 @@ def partition_file(tag_dir: Path, rank: int, kind: str = "optim") -> Path:
     return found[0]
 
 
-def restore(engine: tp.Any, tag_dir: Path, rank: int) -> None:
+def restore(engine: tp.Any, tag_dir: Path) -> None:
     """After `engine.load_checkpoint` of `tag_dir` at the world size that saved it: this rank's optimizer
     state as saved. A sub-group kept in memory gets its fp32 weights and state from the partition file; a
-    swapped one gets its state's placeholders, which DeepSpeed's swapper (its registrations purged first, as
-    DeepSpeed's own partition load does) registers and reads from the swap files `load_checkpoint` copied
-    back. Then every sub-group passes through the swapper once and the weights the model computes with are
-    set from the fp32 ones (collective: persistent parameters are gathered again)."""
+    swapped one gets its state's placeholders, which DeepSpeed's swapper registers and reads from the swap
+    files `load_checkpoint` copied back (`reloading`). Collective."""
+    import torch.distributed as dist
+
     optimizer = engine.optimizer
-    path = partition_file(tag_dir, rank)
+    path = partition_file(tag_dir, dist.get_rank())
     saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     states, flats = saved["optimizer_state_dict"]["state"], saved["fp32_flat_groups"]
     here = optimizer.fp32_partitioned_groups_flat
     if [getattr(f, "ds_id", None) for f in flats] != [getattr(f, "ds_id", None) for f in here]:
         raise RuntimeError(f"{path}: its sub-groups are not this engine's (another model or sub_group_size?)")
+    with reloading(optimizer, saved):
+        for index, fp32 in enumerate(here):
+            state, numel = states.get(index, {}), optimizer.fp16_partitioned_groups_flat_numel[index]
+            if flats[index].numel() != (0 if fp32.numel() == 0 else numel):
+                raise RuntimeError(f"{path}: sub-group {index} saved "
+                                   f"{'in memory' if flats[index].numel() else 'swapped'}, "
+                                   f"{'swapped' if fp32.numel() == 0 else 'in memory'} here")
+            if flats[index].numel():  # kept in memory
+                fp32.data.copy_(flats[index])
+            optimizer.optimizer.state[fp32] = {
+                key: torch.empty(numel, dtype=fp32.dtype) if torch.is_tensor(value) and value.numel() == 0 and numel
+                else value.clone() if torch.is_tensor(value) else value
+                for key, value in state.items()
+            }
+
+
+@contextlib.contextmanager
+def reloading(optimizer: tp.Any, saved: tp.Mapping[str, tp.Any]) -> tp.Iterator[None]:
+    """Around setting a ZeRO-3 optimizer's state (`restore`, `reshard`): before, the parameters partitioned,
+    the swapper's registrations purged (as DeepSpeed's own partition load does: a swapped state's placeholder is
+    then registered anew and read from its file) and fp16's loss scale from `saved`; after, every sub-group
+    passes once through the swapper and the weights the model computes with are set from the fp32 ones
+    (collective: persistent parameters are gathered again)."""
     optimizer.checkpoint_event_prologue()
     optimizer.optimizer_swapper.purge_state()
-    for attribute in ("loss_scaler", "dynamic_loss_scale", "overflow"):  # fp16's loss scale
+    for attribute in ("loss_scaler", "dynamic_loss_scale", "overflow"):
         setattr(optimizer, attribute, saved[attribute])
-    for index, fp32 in enumerate(here):
-        state, numel = states.get(index, {}), optimizer.fp16_partitioned_groups_flat_numel[index]
-        if flats[index].numel() != (0 if fp32.numel() == 0 else numel):
-            raise RuntimeError(f"{path}: sub-group {index} saved {'in memory' if flats[index].numel() else 'swapped'}"
-                               f", {'swapped' if fp32.numel() == 0 else 'in memory'} here")
-        if flats[index].numel():  # kept in memory
-            fp32.data.copy_(flats[index])
-        optimizer.optimizer.state[fp32] = {
-            key: torch.empty(numel, dtype=fp32.dtype) if torch.is_tensor(value) and value.numel() == 0 and numel
-            else value.clone() if torch.is_tensor(value) else value
-            for key, value in state.items()
-        }
+    yield
     optimizer.reset_swap_buffers()
     optimizer.checkpoint_event_epilogue()
 
@@ -79,7 +93,7 @@ def reshard(engine: tp.Any, folder: Path) -> None:
     fails on a swapped sub-group. Each sub-group's partition is cut from its parameters' full tensors as
     ZeRO-3 partitions them (padded to a multiple of the ranks, this rank's slice), one parameter at a time; a
     sub-group kept in memory takes it there, a swapped one as its swap files, where the swapper reads them
-    (its registrations purged, as in `restore`). Collective, as `restore`."""
+    (`reloading`). Collective."""
     import torch.distributed as dist
 
     optimizer, swapper = engine.optimizer, engine.optimizer.optimizer_swapper
@@ -94,26 +108,35 @@ def reshard(engine: tp.Any, folder: Path) -> None:
         size = math.ceil(full.numel() / ranks)
         return torch.nn.functional.pad(full, (0, size * ranks - full.numel()))[rank * size : (rank + 1) * size]
 
-    optimizer.checkpoint_event_prologue()
-    swapper.purge_state()
-    for attribute in ("loss_scaler", "dynamic_loss_scale", "overflow"):
-        setattr(optimizer, attribute, saved[attribute])
-    for index, fp32 in enumerate(optimizer.fp32_partitioned_groups_flat):
-        flat = {key: torch.cat([part(p, key) for p in optimizer.fp16_groups[index]]) for key in ("fp32", *MOMENTS)}
-        state: dict[str, tp.Any] = {"step": torch.tensor(float(max(steps)))} if steps else {}
-        if fp32.numel():  # kept in memory
-            fp32.data.copy_(flat["fp32"])
-            state.update({key: flat[key] for key in MOMENTS} if steps else {})
-        else:  # padded to the swapper's I/O alignment, as it writes them
-            pad = -flat["fp32"].numel() % swapper.numel_alignment
-            for key, prefix in (("fp32", ""), *((key, f"{key}-") for key in MOMENTS)):
-                if key == "fp32" or steps:
-                    path = Path(swapper.swap_folder) / f"{prefix}{fp32.ds_id}.tensor.swp"
-                    torch.nn.functional.pad(flat[key].to(fp32.dtype), (0, pad)).numpy().tofile(path)
-            state.update({key: torch.empty(flat["fp32"].numel(), dtype=fp32.dtype) for key in MOMENTS} if steps else {})
-        optimizer.optimizer.state[fp32] = state
-    optimizer.reset_swap_buffers()
-    optimizer.checkpoint_event_epilogue()
+    with reloading(optimizer, saved):
+        for index, fp32 in enumerate(optimizer.fp32_partitioned_groups_flat):
+            flat = {key: torch.cat([part(p, key) for p in optimizer.fp16_groups[index]]) for key in ("fp32", *MOMENTS)}
+            numel = flat["fp32"].numel()
+            if fp32.numel():  # kept in memory
+                fp32.data.copy_(flat["fp32"])
+                moments = {key: flat[key] for key in MOMENTS}
+            else:  # as its swap files, padded to the swapper's I/O alignment as it writes them
+                pad = -numel % swapper.numel_alignment
+                for key, prefix in (("fp32", ""), *((key, f"{key}-") for key in MOMENTS)):
+                    if key == "fp32" or steps:
+                        path = Path(swapper.swap_folder) / f"{prefix}{fp32.ds_id}.tensor.swp"
+                        torch.nn.functional.pad(flat[key].to(fp32.dtype), (0, pad)).numpy().tofile(path)
+                moments = {key: torch.empty(numel, dtype=fp32.dtype) for key in MOMENTS}
+            optimizer.optimizer.state[fp32] = {"step": torch.tensor(float(max(steps))), **moments} if steps else {}
+
+
+@contextlib.contextmanager
+def readable(tag_dir: Path, beside: Path, prefix: str, moments: bool = False) -> tp.Iterator[Path]:
+    """DeepSpeed checkpoint folder `tag_dir` as its converters can read it: itself, or if it was saved by an
+    optimizer swapping to NVMe, a `filled` copy under the same name in a temporary folder in `beside` (named
+    `prefix`..., removed on leaving)."""
+    if not swaps_optimizer(tag_dir):
+        yield tag_dir
+        return
+    with tempfile.TemporaryDirectory(dir=beside, prefix=prefix) as folder:
+        copy = Path(folder) / tag_dir.name
+        filled(tag_dir, copy, moments)
+        yield copy
 
 
 def filled(tag_dir: Path, dest: Path, moments: bool = False) -> None:
