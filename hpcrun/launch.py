@@ -5,7 +5,8 @@ line and exit status 2; one newer than tested gets a warning line and runs.
 
 The stop flag is installed before anything else is imported: SLURM may send USR2 as a task
 starts (up to its 30 s check period early, so a short or just-requeued job can get it at once),
-and the default action would kill the task instead of letting it checkpoint and requeue.
+and the default action would kill the task instead of letting it checkpoint and requeue. A rank that dies
+of a fatal signal (a library's abort or segfault) writes every thread's Python stack to its log first.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from hpcrun.signals import FLAG
 
 FLAG.install()
 
+import faulthandler  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
 from hpcrun.runtime import standby  # noqa: E402
+
+faulthandler.enable(all_threads=True)  # stderr: the rank's log
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,20 @@ def test_job_environment_leaves_the_flag_in_place() -> None:
     assert out.stdout.split("\n")[:2] == ["1 4 70_3 77 gpu07", "True"], out.stdout + out.stderr
 
 
+def test_a_rank_dying_of_a_fatal_signal_leaves_its_threads_stacks() -> None:
+    """A library's abort (DeepSpeed's once ended a completed ZeRO-Infinity rank with SIGABRT, no word of where)
+    leaves every thread's Python stack in the rank's log, and the status stays the signal's."""
+    code = (
+        "import os, signal, threading, time, hpcrun.launch\n"
+        "def helper_thread_waits(): time.sleep(60)\n"
+        "threading.Thread(target=helper_thread_waits, daemon=True).start(); time.sleep(0.2)\n"
+        "os.kill(os.getpid(), signal.SIGABRT)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == -6, out.stderr
+    assert "Fatal Python error: Aborted" in out.stderr and "helper_thread_waits" in out.stderr, out.stderr
+
+
 def test_launch_usage_is_one_line() -> None:
     out = subprocess.run([sys.executable, "-m", "hpcrun.launch"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and out.stderr.strip() == "usage: python -m hpcrun.launch RUN_DIR"

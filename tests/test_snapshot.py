@@ -481,7 +481,6 @@ def local_env(rank: int, allocation: str, slurm_requeues: int = 0) -> DistEnv:
     return DistEnv(rank, rank, 1, torch.device("cpu"), "gloo", 0, allocation, "localhost", allocation, slurm_requeues)
 
 
-@pytest.mark.oldest_torch
 def test_a_killed_attempts_partial_steps_are_removed_a_live_writers_kept(tmp_path: Path) -> None:
     """On a tight tmpfs the partial steps a killed attempt left make every later snapshot fail
     (ENOSPC): the next attempt's start on the node removes them, its own rank's and a replica's,
@@ -514,7 +513,6 @@ def test_a_killed_attempts_partial_steps_are_removed_a_live_writers_kept(tmp_pat
         live.wait()
 
 
-@pytest.mark.oldest_torch
 def test_the_runs_snapshots_of_earlier_job_starts_are_removed(tmp_path: Path) -> None:
     """Snapshots never serve across job starts (a requeue or a new job resumes from disk): a start
     of run `run` removes the run's directories of earlier starts on its node, this job's before a
@@ -628,7 +626,6 @@ def two_ranks(tmp: Path, case: str) -> list[tuple[str, str]]:
     return outputs
 
 
-@pytest.mark.oldest_torch
 def test_a_snapshot_failed_on_any_rank_is_counted_and_said_on_rank_0s_output(tmp_path: Path) -> None:
     """Rank 1's snapshot write fails (ENOSPC: a full tmpfs): rank 0, whose summary line counts the
     failed snapshots and whose output is where a run is read, counts it and says it there, not
@@ -639,7 +636,6 @@ def test_a_snapshot_failed_on_any_rank_is_counted_and_said_on_rank_0s_output(tmp
     assert "snapshot of step 1 failed: OSError" in err1, err1[-2000:]
 
 
-@pytest.mark.oldest_torch
 def test_a_copy_arriving_after_close_creates_no_directory(tmp_path: Path) -> None:
     """Rank 1 closes its snapshots (a stop) while its peer's copy is still on its way: the copy
     is taken off the wire but written nowhere, and nothing of the job is left on rank 1's node."""
