@@ -155,17 +155,18 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     for node in faults.NODES:  # job 1 ended long ago
         leftover = tp.cast(Path, faults.node_scratch(node, LOCAL_SCRATCH)) / "hpcrun-1-0" / "run" / "rank-00000"
         leftover.mkdir(parents=True, exist_ok=True)
-    # 0.8 s a step: the 20 steps past the checkpoint leave >= 16 s for the kill, which CI's load once spent
-    # entirely before it (the job completed at attempt 0, rank 3 killed at its end)
+    # 0.8 s a step: the 20 steps past the checkpoint leave >= 16 s for the kill, and nothing else comes
+    # between them: CI's load (25 runnable on 2 cores) twice spent them all before it (the job completed at
+    # attempt 0, rank 3 killed at its end), once on the checks and the start of the process below
     run_dir, job = submit(tmp_path, "in-job-kill", job=entrypoint_job(str(ROOT), 0.8))
-    wait_checkpoint(run_dir)
-    assert faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3]
+    wait_for(lambda: faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3], "attempt 0's four ranks", 120)
     # a process of the failed attempt slow to leave (as a rank freeing tens of GB of pinned memory
     # would be): the restarted ranks wait for it, and train only once it is gone. It runs on no
     # node, but the test cluster's nodes share this machine's pid namespace: every rank sees it
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                               env={**os.environ, "SLURM_JOB_ID": job, "HPCRUN_ATTEMPT": "0"})
     try:
+        wait_checkpoint(run_dir)
         node = faults.signal_rank(job, 3, signal.SIGKILL, attempt=0)
         gone = wait_gone(job, 0)  # every rank of the attempt gone within 30 s, not one requeue per rank
         faults.rank_pid(job, 0, timeout=60, attempt=1)

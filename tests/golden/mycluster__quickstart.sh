@@ -182,7 +182,7 @@ while :; do
     set +e  # a failed log write must not end the watch
     attempt=$HPCRUN_ATTEMPT began=$SECONDS
     unset HPCRUN_ATTEMPT  # its children are no attempt's processes a restart waits for
-    failed_at=
+    failed_at= pause=1  # a look a second, every 0.2 s once a task has failed: the restart waits on this watch
     # a rank that outlived the failed one saves its state first (hpcrun.runtime.snapshotsurvivor): the
     # step is given up to 60 s while one says so
     saving() {
@@ -197,7 +197,7 @@ while :; do
     }
     warmed= progress="$run_dir"/progress.json seen=
     while kill -0 "$step" 2>/dev/null; do
-      sleep 1 </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
+      sleep "$pause" </dev/null >/dev/null 2>&1 3>&-  # holds none of the script's outputs once the watcher goes
       # the standby imports once this attempt trains on, past its start-up: rank 0's progress written again
       # after its start's (a flush: metrics.flush_seconds, or a checkpoint), or a minute in
       if [ -n "$standby" ] && [ -z "$warmed" ]; then
@@ -210,7 +210,7 @@ while :; do
         fi
       fi
       if [ -z "$failed_at" ] && grep -q '^srun: error: .*: tasks\? [0-9]' "$err" 2>/dev/null; then
-        failed_at=$SECONDS
+        failed_at=$SECONDS pause=0.2
         # The step's nodes probed now, beside SLURM's clients (the ranks' container may have none),
         # read only if the step must be ended: a live node runs a step of `true` at once, a lost one
         # never (and srun, told to stop, waits for it: hence -k). A controller that does not answer
@@ -221,7 +221,9 @@ while :; do
             --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
           timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
           echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
-      elif [ -n "$failed_at" ] && ! saving && { [ $((SECONDS - failed_at)) -ge 5 ] || named; }; then
+      fi
+      # in the same look: a silent rank's namer has written its mark before its task failed
+      if [ -n "$failed_at" ] && ! saving && { [ $((SECONDS - failed_at)) -ge 5 ] || named; }; then
         : >"$srun_stderr.ending"
         if [ $((SECONDS - failed_at)) -ge 5 ]; then
           echo '[hpcrun] srun ended by the batch script: it outlived its failed task by 5 s (a node lost?)' | tee -a "$err" >&2
