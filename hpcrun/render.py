@@ -21,6 +21,7 @@ STEP_GRACE_S = 5
 # model's DDP state (15.6 GB) took 12.6 s on an H200 (benchmarks/survivor_save.py, RESULTS.md §7b)
 SAVE_GRACE_S = 60
 STEP_NAME = "hpcrun-attempt"  # and the attempt's number: a training step's name, so a watcher spares the next one
+PROBE_NAME = "hpcrun-probe"  # a node probe's step: a watcher ending a step spares the probes still asking
 
 
 def quote(value: object) -> str:
@@ -135,6 +136,7 @@ def _render(spec: RunSpec, array: str | None, run_dirs: list[str], log_folder: P
         go=slurm.STANDBY_GO,
         exit_word=slurm.STANDBY_EXIT,
         step_name=STEP_NAME,
+        probe_name=PROBE_NAME,
         progress=rundir.PROGRESS,
         exits=rundir.EXITS,
         saving_suffix=rundir.SAVING,

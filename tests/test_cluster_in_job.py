@@ -159,7 +159,7 @@ def test_killed_rank_is_restarted_inside_the_job(tmp_path: Path, baseline: Path)
     # between them: CI's load (25 runnable on 2 cores) twice spent them all before it (the job completed at
     # attempt 0, rank 3 killed at its end), once on the checks and the start of the process below
     run_dir, job = submit(tmp_path, "in-job-kill", job=entrypoint_job(str(ROOT), 0.8))
-    wait_for(lambda: faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3], "attempt 0's four ranks", 120)
+    wait_for(lambda: faults.ranks_alive(job, 4, attempt=0) == [0, 1, 2, 3], "attempt 0's four ranks", 240)
     # a process of the failed attempt slow to leave (as a rank freeing tens of GB of pinned memory
     # would be): the restarted ranks wait for it, and train only once it is gone. It runs on no
     # node, but the test cluster's nodes share this machine's pid namespace: every rank sees it

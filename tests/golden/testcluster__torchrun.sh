@@ -193,7 +193,8 @@ while :; do
         # file). 16 probes at a time, as srun asks slurmctld. Begun with the grace, not after it.
         { ( set +e  # a probe's failure is its answer
           printf '%s\n' ${nodes//,/ } | xargs -P 16 -I{} sh -c 'timeout -k 2 5 srun --overlap --nodes=1 \
-            --ntasks=1 --ntasks-per-node=1 --nodelist="$1" true </dev/null >/dev/null 2>&1; echo "node $1 $?"' sh {}
+            --ntasks=1 --ntasks-per-node=1 --job-name=hpcrun-probe --nodelist="$1" true </dev/null >/dev/null 2>&1
+            echo "node $1 $?"' sh {}
           timeout -k 2 5 squeue -h -j "$SLURM_JOB_ID" -o %i </dev/null >/dev/null 2>&1
           echo "controller - $?" ) >"$probes.part" 2>/dev/null && mv -f "$probes.part" "$probes"; } </dev/null 3>&- &
       fi
@@ -207,11 +208,12 @@ while :; do
         fi
         pkill -KILL -P "$step" -x srun || true
         # and the step's tasks still on live nodes: the signal leaves at once, but scancel waits
-        # ~MessageTimeout for a lost node's answer, so in the background (the probes' steps too). A
-        # restart's ranks wait for what is left of them on their node (hpcrun.runtime.predecessors)
+        # ~MessageTimeout for a lost node's answer, so in the background. A restart's ranks wait for what
+        # is left of them on their node (hpcrun.runtime.predecessors). Not the probes: a live node's, killed
+        # before its `true` ran, would say the node is lost (their `timeout` ends a lost node's)
         for s in $(timeout 10 squeue -h -s -j "$SLURM_JOB_ID" -o %i,%j 2>/dev/null); do
           case $s in
-            *.batch,*|*.extern,*|*,hpcrun-attempt$((attempt + 1))) ;;  # not the next attempt's standby
+            *.batch,*|*.extern,*|*,hpcrun-probe|*,hpcrun-attempt$((attempt + 1))) ;;  # not the next attempt's standby
             *) timeout 30 scancel --signal=KILL "${s%%,*}" </dev/null >/dev/null 2>&1 3>&- & ;;
           esac
         done
