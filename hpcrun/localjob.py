@@ -96,6 +96,7 @@ class Controller:
         self.launch()
         warned = terminated = False
         kill_at: float | None = None
+        ended: list[str] = []  # srun's words for the ranks that failed before this controller ended any
         while any(p.poll() is None for p in self.procs):
             now = time.monotonic() - start
             while self.pending:
@@ -113,6 +114,7 @@ class Controller:
                 kill_at = now + KILL_WAIT_S
             failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if failed and kill_at is None:  # --kill-on-bad-exit
+                ended = [task_ended(rank, self.procs[rank].returncode) for rank in failed]
                 print(
                     f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; "
                     "ending the others",
@@ -125,7 +127,26 @@ class Controller:
             time.sleep(POLL_S)
         codes = [p.returncode for p in self.procs]
         self.remove_snapshots()
-        return next((c for c in codes if c != 0), 0)
+        code = next((c for c in codes if c != 0), 0)
+        if code:
+            self.record(code, ended or [cancelled(self.job_id, terminated)])
+        return code
+
+    def record(self, code: int, said: list[str]) -> None:
+        """What the batch script's failure step does after srun: the attempt's record when no rank
+        wrote one (a rank killed, by the OOM killer say, or ended by a signal): without it the run
+        would have no end on disk. `said`: srun's words for how the step ended."""
+        from hpcrun.errors import HpcrunError
+        from hpcrun.runtime.failure import record_failed_step
+
+        try:
+            reason = record_failed_step(self.run_dir, code, "\n".join(said) + "\n",
+                                        ids=(self.job_id, self.slurm_requeues, self.slurm_requeues))
+        except HpcrunError as exc:
+            print(f"hpcrun local job {self.job_id}: recording the failed attempt: {exc.format_message()}", flush=True)
+            return
+        if reason:
+            print(f"hpcrun local job {self.job_id}: attempt failed: {reason}", flush=True)
 
     def remove_snapshots(self) -> None:
         """What the sbatch script does at a job's end: remove this job's in-memory snapshots
@@ -133,6 +154,26 @@ class Controller:
         spec = read_json(self.run_dir.spec, missing={})
         scratch = local_scratch(spec.get("local_scratch") or "/dev/shm")
         shutil.rmtree(snapshot_job_dir(scratch, self.job_id, self.slurm_requeues), ignore_errors=True)
+
+
+def task_ended(rank: int, code: int) -> str:
+    """srun's line for a task that ended badly (hpcrun.runtime.cause reads it), e.g. "srun: error:
+    HOST: task 1: Killed"; `code` as subprocess gives it (negative: the signal)."""
+    from hpcrun.runtime.cause import SIGNAL_WORDS
+
+    if code > 0:
+        what = f"Exited with exit code {code}"
+    else:
+        name = signal.Signals(-code).name
+        what = next((word for word, sig in SIGNAL_WORDS.items() if sig == name), f"Signal {name}")
+    return f"srun: error: {os.uname().nodename}: task {rank}: {what}"
+
+
+def cancelled(job_id: str, at_limit: bool) -> str:
+    """slurmstepd's line for a job this controller ended (a cancel, the time limit) whose ranks did
+    not record their stop in time."""
+    when, why = time.strftime("%Y-%m-%dT%H:%M:%S"), " DUE TO TIME LIMIT" if at_limit else ""
+    return f"*** JOB {job_id} ON {os.uname().nodename} CANCELLED AT {when}{why} ***"
 
 
 def main(argv: list[str] | None = None) -> int:

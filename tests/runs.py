@@ -179,6 +179,18 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
 
 
 def baseline_weights(run_dir: Path) -> str:
-    wait_for(lambda: status(run_dir) in ("completed", "failed"), what=f"the baseline {run_dir.name}", timeout=600)
-    assert state(run_dir)["status"] == "completed", state(run_dir)
+    # any recorded end: a baseline stopped at its time limit is a failure to show, not to wait out
+    wait_for(lambda: status(run_dir) is not None, what=f"the baseline {run_dir.name}", timeout=600,
+             detail=lambda: log_tails(run_dir))
+    assert state(run_dir)["status"] == "completed", (state(run_dir), log_tails(run_dir))
     return (run_dir / "weights.sha256").read_text()
+
+
+def log_tails(run_dir: Path, lines: int = 12) -> str:
+    """The last lines of each log of a local run (its controller's, each rank's), for a failure's message."""
+    tails = []
+    for log in sorted((run_dir / "logs").glob("*")):
+        if log.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(tails) or f"no logs in {run_dir}"

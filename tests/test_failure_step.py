@@ -181,3 +181,35 @@ def test_a_shorter_attempt_from_an_older_save_is_not_the_same_failure() -> None:
     assert not failure.same_again(previous, {"error": "RuntimeError: boom", "resumed": 400, "reached": 1000})
     assert not failure.same_again({"error": "Killed (SIGKILL)"}, {"error": "Killed (SIGKILL)", "resumed": 4,
                                                                  "reached": 9})
+
+
+def test_a_local_rank_killed_without_a_word_is_recorded(tmp_path: Path) -> None:
+    """`--site local`: rank 1 is SIGKILLed (the OOM killer, a user's kill) and its peer ended by the
+    controller (srun's --kill-on-bad-exit): no rank lived to record the attempt. The controller
+    records it as the batch script's failure step would, or the run would have no end on disk (a
+    test waiting on it waited out its timeout), and a local run is continued by `hpcrun resume`."""
+    import subprocess
+    import sys
+
+    from hpcrun.results import load
+
+    recipe = Recipe.model_validate({"name": "r", "job": {"kind": "command", "command": ["true"]},
+                                    "resources": {"nodes": 1, "gpus_per_node": 2}})
+    spec = plan(load_site("local"), recipe, "r.yaml", "run").model_copy(
+        update={"run_dir": str(tmp_path / "run"), "results_dir": str(tmp_path / "results")}
+    )
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.logs.mkdir(parents=True)
+    run_dir.spec.write_text(spec.model_dump_json())
+    # rank 1 dies at once, rank 0 would run on (ended by the controller)
+    run_dir.script.write_text('if [ "$RANK" = 1 ]; then kill -KILL $$; fi\nexec sleep 60\n')
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-m", "hpcrun.localjob", str(run_dir.path), "--ranks", "2",
+                            "--time-s", "120", "--signal-lead-s", "10"], capture_output=True, text=True, timeout=60)
+    assert ended.returncode != 0 and time.monotonic() - started < 50, ended
+    state = run_dir.state()
+    assert state.get("status") == "failed" and state["attempt"] == 0, (state, ended.stdout, ended.stderr)
+    assert state["reason"].startswith("rank 1 on ") and "Killed (SIGKILL)" in state["reason"], state
+    assert state["reason"].endswith("; continue with hpcrun resume"), state
+    row = load(tmp_path / "results", run_id=spec.run_id)
+    assert list(row["status"]) == ["failed"] and list(row["reason"]) == [state["reason"]], row

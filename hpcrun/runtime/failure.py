@@ -199,15 +199,19 @@ def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int,
             write_outcome(path, ("error", f"another task's call raised: {error}"))
 
 
-def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop: Stop | None = None) -> str | None:
+def record_failed_step(
+    run_dir: RunDir, step_status: int, srun_stderr: str, stop: Stop | None = None,
+    ids: tuple[str, int, int] | None = None,
+) -> str | None:
     """The failed attempt's one results row and state, and the requeue when the cap allows and
     the failure is not the previous attempt's again (nor a restart inside the job once `stop`
     caught a signal). Returns the reason (None: already recorded by a rank, e.g. a stop for
-    requeue or the cap)."""
+    requeue or the cap). `ids`: the job id, attempt and requeue count where no SLURM variables
+    say them (hpcrun.localjob, whose runs `hpcrun resume` continues: no requeue)."""
     from hpcrun.results import write_attempt
 
     spec = RunSpec.model_validate(read_json(run_dir.spec, None))
-    job_id, attempt, slurm_requeues = job_ids()
+    job_id, attempt, slurm_requeues = ids or job_ids()
     records = [r for r in (read_json(p, None) for p in run_dir.exit_records(job_id, attempt)) if isinstance(r, dict)]
     failure = first_failure(srun_stderr, records)
     if failure is None:
@@ -292,7 +296,9 @@ def record_failed_step(run_dir: RunDir, step_status: int, srun_stderr: str, stop
         else:
             if nodes is not None:  # the job is to leave: a restart would run on with no stop coming
                 reason += f"; {stopped} during the failure step: not restarted in the job"
-            if slurm_requeues >= cap:
+            if spec.scheduler != "slurm":
+                reason += "; continue with hpcrun resume"
+            elif slurm_requeues >= cap:
                 reason += f"; requeue cap reached ({cap} requeues)"
             else:
                 decided["requeue"] = True
