@@ -29,14 +29,14 @@ from pathlib import Path
 
 from submitit.core import core
 from submitit.core.job_environment import JobEnvironment
-from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
+from submitit.core.utils import DelayedSubmission, JobPaths
 from submitit.slurm.slurm import SlurmJob
 
 from hpcrun import backend, slurm
 from hpcrun.errors import HpcrunError
 from hpcrun.fields import TOKEN_RE
 from hpcrun.plan import RunSpec, new_run_id, plan
-from hpcrun.recipe import FunctionJob, apply_overrides, parse_recipe
+from hpcrun.recipe import apply_overrides, parse_recipe
 from hpcrun.rundir import LOGS, RunDir, atomic_path, sweep_dir
 from hpcrun.site import Site, load_site
 from hpcrun.status import controller_alive
@@ -288,18 +288,6 @@ def _link(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target)
     os.replace(tmp, link)
-
-
-def call_folder(job: FunctionJob, run_dir: RunDir) -> Path:
-    """Where a call's tasks write their outcomes (submitit's `<job>_<task>_result.pkl`): an
-    array's shared log folder, else the run's logs/."""
-    return Path(job.folder) if job.folder else run_dir.logs
-
-
-def write_outcome(path: Path, outcome: tuple[str, tp.Any]) -> None:
-    """A task's outcome as submitit's Job reads it: `("success", value)` or `("error", text)`."""
-    with atomic_path(path) as tmp:
-        cloudpickle_dump(outcome, tmp)
 
 
 def _dump(delayed: DelayedSubmission, spec: RunSpec) -> None:

@@ -190,7 +190,7 @@ def failed_call(job: FunctionJob, run_dir: RunDir, job_id: str, world_size: int,
     peer's call raised first) get its error where submitit's Job looks, so `job.result()` says it."""
     from submitit.core.utils import JobPaths
 
-    from hpcrun.executor import call_folder, write_outcome
+    from hpcrun.outcome import call_folder, write_outcome
 
     folder = call_folder(job, run_dir)
     for task in range(world_size):

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from submitit.core.utils import DelayedSubmission, JobPaths, UncompletedJobError
 
-from hpcrun import executor
+from hpcrun import executor, outcome
 from hpcrun.recipe import FunctionJob
 from hpcrun.rundir import atomic_path
 from hpcrun.runtime import timeouts
@@ -71,7 +71,7 @@ def _interrupt(signum: int) -> None:
 def run_function(ctx: Context) -> None:
     job = ctx.recipe.job
     assert isinstance(job, FunctionJob)
-    folder = executor.call_folder(job, ctx.run_dir)
+    folder = outcome.call_folder(job, ctx.run_dir)
     result = JobPaths(folder, job_id=ctx.env.job_id, task_id=ctx.rank).result_pickle
     # what submitit's JobEnvironment reads (hpcrun.executor.HpcrunJobEnvironment)
     os.environ.update(SUBMITIT_EXECUTOR=executor.NAME, SUBMITIT_FOLDER=str(folder), HPCRUN_JOB_ID=ctx.env.job_id)
@@ -89,9 +89,9 @@ def run_function(ctx: Context) -> None:
     except Exception as exc:
         if ctx.flag.signum is not None:  # after a stop: its consequence (a peer left a collective), not the call's
             return stopped(ctx, delayed, result, ctx.flag.signum)
-        executor.write_outcome(result, ("error", traceback.format_exc()))
+        outcome.write_outcome(result, ("error", traceback.format_exc()))
         raise CallRaised(f"{type(exc).__name__}: {exc}") from exc
-    ctx.when_recorded.append(lambda: executor.write_outcome(result, ("success", value)))
+    ctx.when_recorded.append(lambda: outcome.write_outcome(result, ("success", value)))
 
 
 def stopped(ctx: Context, delayed: DelayedSubmission, result: Path, signum: int) -> None:
@@ -124,7 +124,7 @@ def not_checkpointable(ctx: Context, result: Path) -> tp.NoReturn:
     handler raises UncompletedJobError into the call, its result is that error, and the call
     raises it, so that the failure step neither restarts nor requeues the attempt."""
     error = UncompletedJobError(f"Job not requeued because: {NOT_CHECKPOINTABLE}.")
-    executor.write_outcome(result, ("error", "".join(traceback.format_exception_only(error))))
+    outcome.write_outcome(result, ("error", "".join(traceback.format_exception_only(error))))
     raise CallRaised(f"{type(error).__name__}: {error} ({ctx.stopped} at the time limit; no checkpoint method)")
 
 
@@ -148,5 +148,5 @@ def _if_ended(ctx: Context, result: Path) -> None:
     where submitit's Job looks, instead of a job that never produced output."""
     recorded = ctx.run_dir.state()
     if recorded.get("status") == "failed":
-        executor.write_outcome(result, ("error", f"the job was stopped and not requeued: {recorded.get('reason')}"))
+        outcome.write_outcome(result, ("error", f"the job was stopped and not requeued: {recorded.get('reason')}"))
 
