@@ -38,6 +38,8 @@ def cluster_up() -> str | None:
 
 @pytest.hookimpl(trylast=True)  # after `-m` deselected: a run of no cluster test needs no cluster
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `beside_cluster` tests first: long, and in CI run by the cluster tests' workers, not left for the end
+    items.sort(key=lambda item: "beside_cluster" not in item.keywords)
     if not any("cluster" in item.keywords for item in items):
         return
     reason = cluster_up()

@@ -136,9 +136,10 @@ def consolidated(site: Path, run_dir: Path) -> None:
         # on the newest torch the cluster tests resume 4 DDP ranks bit-identically after each kind of fault
         pytest.param("ddp", 4, True, marks=[pytest.mark.oldest_torch, pytest.mark.oldest_only]),
         ("fsdp", 2, False),
-        ("zero3", 2, False),
-        ("zero2", 2, False),
-        ("zero3-nvme-offload", 2, False),
+        # DeepSpeed's, the longest of the tests off the cluster (~70-120 s each under CI's load): run beside it
+        pytest.param("zero3", 2, False, marks=pytest.mark.beside_cluster),
+        pytest.param("zero2", 2, False, marks=pytest.mark.beside_cluster),
+        pytest.param("zero3-nvme-offload", 2, False, marks=pytest.mark.beside_cluster),
     ],
 )
 def test_resume_bit_identical(name: str, world: int, kill: bool, tmp_path: Path) -> None:
