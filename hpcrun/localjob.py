@@ -8,6 +8,8 @@ script once per rank, like srun would, and behaves like SLURM towards them.
 - SIGTERM/SIGUSR2 sent to the controller (`hpcrun cancel`) are forwarded to every rank.
 - A rank that fails ends the others at once (srun's --kill-on-bad-exit): a peer that waits in a
   collective for a dead rank would otherwise hang until the collective timeout.
+- A failed attempt that no rank lived to record (a rank killed) is recorded here, as the batch
+  script's failure step records it on SLURM (hpcrun.runtime.failure); `hpcrun resume` continues it.
 
 hpcrun owns this instead of using submitit's local executor because that executor offers no
 public way to start its controller in a session of its own (so a Ctrl-C at `submit --wait`
@@ -97,6 +99,7 @@ class Controller:
         warned = terminated = False
         kill_at: float | None = None
         ended: list[str] = []  # srun's words for the ranks that failed before this controller ended any
+        first_code = 0  # the exit status of the rank that failed first, not of those killed after it
         while any(p.poll() is None for p in self.procs):
             now = time.monotonic() - start
             while self.pending:
@@ -114,20 +117,20 @@ class Controller:
                 kill_at = now + KILL_WAIT_S
             failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if failed and kill_at is None:  # --kill-on-bad-exit
-                ended = [task_ended(rank, self.procs[rank].returncode) for rank in failed]
-                print(
-                    f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {self.procs[failed[0]].returncode}; "
-                    "ending the others",
-                    flush=True,
-                )
                 self._send(signal.SIGKILL)
                 kill_at = now
+                # seen in one look: a rank a signal ended first (an exit status is more often a peer's consequence)
+                failed.sort(key=lambda rank: tp.cast(int, self.procs[rank].returncode) > 0)
+                first_code = tp.cast(int, self.procs[failed[0]].returncode)
+                ended = [task_ended(rank, tp.cast(int, self.procs[rank].returncode)) for rank in failed]
+                print(f"hpcrun local job {self.job_id}: rank {failed[0]} exited with {first_code}; ending the others",
+                      flush=True)
             if kill_at is not None and now >= kill_at:
                 self._send(signal.SIGKILL)
             time.sleep(POLL_S)
         codes = [p.returncode for p in self.procs]
         self.remove_snapshots()
-        code = next((c for c in codes if c != 0), 0)
+        code = first_code or next((c for c in codes if c != 0), 0)
         if code:
             self.record(code, ended or [cancelled(self.job_id, terminated)])
         return code
@@ -136,14 +139,18 @@ class Controller:
         """What the batch script's failure step does after srun: the attempt's record when no rank
         wrote one (a rank killed, by the OOM killer say, or ended by a signal): without it the run
         would have no end on disk. `said`: srun's words for how the step ended."""
+        from hpcrun import slurm
         from hpcrun.errors import HpcrunError
         from hpcrun.runtime.failure import record_failed_step
 
+        # the attempt as the ranks count it (hpcrun.runtime.env), from the environment they inherit
+        env = {**os.environ, "HPCRUN_REQUEUES": str(self.slurm_requeues)}
+        ids = (self.job_id, slurm.attempt_number(env), slurm.requeue_count(env))
         try:
-            reason = record_failed_step(self.run_dir, code, "\n".join(said) + "\n",
-                                        ids=(self.job_id, self.slurm_requeues, self.slurm_requeues))
-        except HpcrunError as exc:
-            print(f"hpcrun local job {self.job_id}: recording the failed attempt: {exc.format_message()}", flush=True)
+            reason = record_failed_step(self.run_dir, code, "\n".join(said) + "\n", ids=ids)
+        except Exception as exc:  # noqa: BLE001 - the ranks are gone whatever happens here: one line, not a traceback
+            said_why = exc.format_message() if isinstance(exc, HpcrunError) else f"{type(exc).__name__}: {exc}"
+            print(f"hpcrun local job {self.job_id}: recording the failed attempt: {said_why}", flush=True)
             return
         if reason:
             print(f"hpcrun local job {self.job_id}: attempt failed: {reason}", flush=True)
@@ -164,7 +171,10 @@ def task_ended(rank: int, code: int) -> str:
     if code > 0:
         what = f"Exited with exit code {code}"
     else:
-        name = signal.Signals(-code).name
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal: no name
+            name = f"signal {-code}"
         what = next((word for word, sig in SIGNAL_WORDS.items() if sig == name), f"Signal {name}")
     return f"srun: error: {os.uname().nodename}: task {rank}: {what}"
 

@@ -183,6 +183,19 @@ def test_a_shorter_attempt_from_an_older_save_is_not_the_same_failure() -> None:
                                                                  "reached": 9})
 
 
+def local_run(tmp: Path) -> tuple[RunDir, RunSpec]:
+    """A 2-rank command job's run directory on this machine (`--site local`), as planned and written."""
+    recipe = Recipe.model_validate({"name": "r", "job": {"kind": "command", "command": ["true"]},
+                                    "resources": {"nodes": 1, "gpus_per_node": 2}})
+    spec = plan(load_site("local"), recipe, "r.yaml", "run").model_copy(
+        update={"run_dir": str(tmp / "run"), "results_dir": str(tmp / "results")}
+    )
+    run_dir = RunDir(tmp / "run")
+    run_dir.logs.mkdir(parents=True)
+    run_dir.spec.write_text(spec.model_dump_json())
+    return run_dir, spec
+
+
 def test_a_local_rank_killed_without_a_word_is_recorded(tmp_path: Path) -> None:
     """`--site local`: rank 1 is SIGKILLed (the OOM killer, a user's kill) and its peer ended by the
     controller (srun's --kill-on-bad-exit): no rank lived to record the attempt. The controller
@@ -193,23 +206,28 @@ def test_a_local_rank_killed_without_a_word_is_recorded(tmp_path: Path) -> None:
 
     from hpcrun.results import load
 
-    recipe = Recipe.model_validate({"name": "r", "job": {"kind": "command", "command": ["true"]},
-                                    "resources": {"nodes": 1, "gpus_per_node": 2}})
-    spec = plan(load_site("local"), recipe, "r.yaml", "run").model_copy(
-        update={"run_dir": str(tmp_path / "run"), "results_dir": str(tmp_path / "results")}
-    )
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.logs.mkdir(parents=True)
-    run_dir.spec.write_text(spec.model_dump_json())
+    run_dir, spec = local_run(tmp_path)
     # rank 1 dies at once, rank 0 would run on (ended by the controller)
     run_dir.script.write_text('if [ "$RANK" = 1 ]; then kill -KILL $$; fi\nexec sleep 60\n')
     started = time.monotonic()
     ended = subprocess.run([sys.executable, "-m", "hpcrun.localjob", str(run_dir.path), "--ranks", "2",
                             "--time-s", "120", "--signal-lead-s", "10"], capture_output=True, text=True, timeout=60)
-    assert ended.returncode != 0 and time.monotonic() - started < 50, ended
+    assert ended.returncode == 256 - 9 and time.monotonic() - started < 50, ended  # exit(-9): rank 1 was SIGKILLed
     state = run_dir.state()
     assert state.get("status") == "failed" and state["attempt"] == 0, (state, ended.stdout, ended.stderr)
     assert state["reason"].startswith("rank 1 on ") and "Killed (SIGKILL)" in state["reason"], state
     assert state["reason"].endswith("; continue with hpcrun resume"), state
     row = load(tmp_path / "results", run_id=spec.run_id)
     assert list(row["status"]) == ["failed"] and list(row["reason"]) == [state["reason"]], row
+
+
+def test_a_local_attempt_a_rank_recorded_keeps_its_record(tmp_path: Path) -> None:
+    """A rank that recorded the attempt itself (a stop it saved for, or its own error) and then
+    exited non-zero: the controller's record adds nothing, and changes nothing."""
+    run_dir, _ = local_run(tmp_path)
+    said = {"status": "stopped", "reason": "SIGUSR2 at step 4; continue with hpcrun resume", "job_id": "123",
+            "attempt": 0, "step": 4}
+    run_dir.update_state(lambda state: said)
+    assert record_failed_step(run_dir, -9, "srun: error: host: task 0: Killed\n", ids=("123", 0, 0)) is None
+    assert run_dir.state() == said
+    assert not (tmp_path / "results").exists() or not list((tmp_path / "results").rglob("*.parquet"))

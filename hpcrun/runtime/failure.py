@@ -7,7 +7,8 @@ RUN_DIR STATUS` (srun's messages on its stdin) once the step has ended, as one t
 ranks' container. That one process finds the rank that ended the step first
 (hpcrun.runtime.cause), writes the attempt's results row and state.json, and decides: a restart
 inside the job on the nodes it names (hpcrun.runtime.nodes), a requeue (hpcrun.runtime.requeue),
-or a stop (the same failure again, a call's own error, the cap).
+or a stop (the same failure again, a call's own error, the cap). `--site local`'s controller
+(hpcrun.localjob) records its failed attempts the same way, with no restart or requeue.
 
 Runs on the batch node after srun: imports no torch.
 """
@@ -217,7 +218,9 @@ def record_failed_step(
     if failure is None:
         failure = Failure(None, None, step_message(srun_stderr) or f"status {step_status}", None)
     own = next((r for r in records if r.get("rank") == failure.rank), None)
-    step_nodes = [n for n in os.environ.get("HPCRUN_STEP_NODES", "").split(",") if n]
+    # the batch script's word (none locally: a local run inherits no allocation's, even inside one)
+    told: tp.Mapping[str, str] = os.environ if spec.scheduler == "slurm" else {}
+    step_nodes = [n for n in told.get("HPCRUN_STEP_NODES", "").split(",") if n]
     world = len(step_nodes) * spec.ranks_per_node or None  # fewer than planned after a shrink
     failure = name_silent(run_dir, job_id, attempt, failure, own, world or spec.world_size)
     # only the first failing rank's own record makes the failure the call's result: a rank that died
@@ -231,17 +234,17 @@ def record_failed_step(
     progressed = progressed_at(records, beat)
     noticed = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     said = rank_row(own or next(iter(records), None) or {})
-    row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or os.environ.get("SLURM_JOB_NODELIST"), world),
+    row = {**plan_row(spec, job_id, attempt, ",".join(step_nodes) or told.get("SLURM_JOB_NODELIST"), world),
            **said}
     cap = spec.recipe.checkpoint.max_requeues
-    in_job = int(os.environ.get("HPCRUN_RESTARTS_IN_JOB") or 0)
-    next_file = os.environ.get("HPCRUN_NEXT_NODES")
+    in_job = int(told.get("HPCRUN_RESTARTS_IN_JOB") or 0)
+    next_file = told.get("HPCRUN_NEXT_NODES")
     may_restart = bool(next_file) and in_job < spec.recipe.fault.restarts_in_job
-    probes = os.environ.get("HPCRUN_PROBES")
+    probes = told.get("HPCRUN_PROBES")
     probed = probed_nodes(step_nodes, srun_stderr, Path(probes) if probes else None)
     lost = probed.lost  # also for a requeue: the next start excludes them
     # the batch script's expansion of the job's node list: the spares are the ones not in the step
-    allocated = [n for n in os.environ.get("HPCRUN_JOB_NODES", "").split(",") if n] or step_nodes
+    allocated = [n for n in told.get("HPCRUN_JOB_NODES", "").split(",") if n] or step_nodes
     room = 0
     if lost and spec.recipe.fault.exclude_failed_nodes:
         try:  # SLURM's tools may not answer: the attempt is recorded all the same

@@ -117,7 +117,8 @@ def result_row(ctx: Attempt, status: str, reason: str | None, peak: int) -> dict
 def recovery(ctx: Attempt, last_step: int, step_time_s: float | None) -> dict[str, tp.Any]:
     """This attempt's restart and recomputation after a failed previous attempt of its job
     (hpcrun.goodput.restart_columns), from that attempt's record in state.json. Read only on SLURM
-    by the ranks that build a row (rank 0, failing ranks): locally no attempt is recorded failed."""
+    by the ranks that build a row (rank 0, failing ranks): locally each resume is a job of its own (a new
+    controller), with no earlier attempt."""
     env, began = ctx.env, ctx.measured.started
     if ctx.spec.scheduler != "slurm" or env.attempt == 0 or began is None:  # no previous attempt, or no loop ran
         return goodput.restart_columns(None, None, None, ctx.start_step, last_step, step_time_s)
