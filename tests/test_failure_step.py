@@ -5,6 +5,7 @@ previous attempt's again. The step's nodes all answer their probes: nothing is l
 from __future__ import annotations
 
 import time
+import typing as tp
 from pathlib import Path
 
 import pytest
@@ -21,17 +22,21 @@ JOB = "77"
 PEER_LEFT = "RuntimeError: [gloo] Connection closed by peer [10.0.0.1]:29500"
 
 
-def function_run(tmp: Path) -> tuple[RunDir, RunSpec]:
-    """A 2-rank function job's run directory on the test cluster, as planned and written."""
-    recipe = Recipe.model_validate(
-        {"name": "r", "job": {"kind": "function"}, "resources": {"nodes": 2, "gpus_per_node": 1, "partition": "spare"}}
-    )
-    spec = plan(load_site("testcluster"), recipe, "r.yaml", "run").model_copy(
+def written_run(tmp: Path, site: str, recipe: dict[str, tp.Any]) -> tuple[RunDir, RunSpec]:
+    """A run directory under `tmp` of `recipe` on `site`, as planned and written (its logs/ made)."""
+    spec = plan(load_site(site), Recipe.model_validate({"name": "r", **recipe}), "r.yaml", "run").model_copy(
         update={"run_dir": str(tmp / "run"), "results_dir": str(tmp / "results")}
     )
     run_dir = RunDir(tmp / "run")
-    run_dir.path.mkdir()
+    run_dir.logs.mkdir(parents=True)
     run_dir.spec.write_text(spec.model_dump_json())
+    return run_dir, spec
+
+
+def function_run(tmp: Path) -> tuple[RunDir, RunSpec]:
+    """A 2-rank function job's run directory on the test cluster."""
+    run_dir, spec = written_run(tmp, "testcluster", {
+        "job": {"kind": "function"}, "resources": {"nodes": 2, "gpus_per_node": 1, "partition": "spare"}})
     (tmp / "probes").write_text("node node1 0\nnode node2 0\ncontroller - 0\n")
     return run_dir, spec
 
@@ -184,16 +189,9 @@ def test_a_shorter_attempt_from_an_older_save_is_not_the_same_failure() -> None:
 
 
 def local_run(tmp: Path) -> tuple[RunDir, RunSpec]:
-    """A 2-rank command job's run directory on this machine (`--site local`), as planned and written."""
-    recipe = Recipe.model_validate({"name": "r", "job": {"kind": "command", "command": ["true"]},
-                                    "resources": {"nodes": 1, "gpus_per_node": 2}})
-    spec = plan(load_site("local"), recipe, "r.yaml", "run").model_copy(
-        update={"run_dir": str(tmp / "run"), "results_dir": str(tmp / "results")}
-    )
-    run_dir = RunDir(tmp / "run")
-    run_dir.logs.mkdir(parents=True)
-    run_dir.spec.write_text(spec.model_dump_json())
-    return run_dir, spec
+    """A 2-rank command job's run directory on this machine (`--site local`)."""
+    return written_run(tmp, "local", {"job": {"kind": "command", "command": ["true"]},
+                                      "resources": {"nodes": 1, "gpus_per_node": 2}})
 
 
 def test_a_local_rank_killed_without_a_word_is_recorded(tmp_path: Path) -> None:
