@@ -4,10 +4,11 @@ never stopped (hpcrun.runtime.engine `TorchEngine.settle_buckets`). Without the 
 DDP reduces an attempt's first step with all parameters in one bucket and re-lays them at the
 next forward: this test then fails, as it did with the layout DDP gives by itself.
 
-Four gloo ranks (with two, every element's sum has one order and a layout change would not show
-in the weights), each building the DDP strategy's engine as a job does, twice: an "uninterrupted"
-engine that runs four steps, and a "resumed" one, new like every attempt's, whose first step is
-the third. A recording comm hook (DDP's own all-reduce) notes each reduced bucket's parameters.
+Two gloo ranks (the layouts are recorded, not inferred from the weights: any world size shows
+them), each building the DDP strategy's engine as a job does, twice per strategy: an
+"uninterrupted" engine that runs four steps, and a "resumed" one, new like every attempt's, whose
+first step is the third. A recording comm hook (DDP's own all-reduce) notes each reduced bucket's
+parameters. One pair of processes serves every strategy: each start imports torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD = 4
+WORLD = 2
 Layout = list[tuple[str, ...]]  # the parameters of each reduced bucket, in the bucket's order
 Reduced = list[tuple[int, Layout]]  # each backward's reduction, with the step it ran in
 
@@ -64,45 +65,46 @@ def run_steps(built: tp.Any, rank: int, steps: range, step: list[int]) -> None:
         built.optimizer_step()
 
 
-def rank_main(rank: int, port: int, out: str, strategy: dict[str, tp.Any]) -> None:
+def rank_main(rank: int, port: int, out: str, strategies: list[dict[str, tp.Any]]) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    step = [0]
-    whole: Reduced = []
-    run_steps(engine(rank, whole, step, strategy), rank, range(4), step)
-    resumed: Reduced = []
-    run_steps(engine(rank, resumed, step, strategy), rank, range(2, 4), step)
+    seen = []
+    for strategy in strategies:
+        step = [0]
+        whole: Reduced = []
+        run_steps(engine(rank, whole, step, strategy), rank, range(4), step)
+        resumed: Reduced = []
+        run_steps(engine(rank, resumed, step, strategy), rank, range(2, 4), step)
+        seen.append({"whole": whole, "resumed": resumed})
     if rank == 0:
-        torch.save({"whole": whole, "resumed": resumed}, out)
+        torch.save(seen, out)
     dist.destroy_process_group()
 
 
+# DDP searching for unused parameters never re-lays its buckets, so it needs (and gets) no settling pass
+CASES = {"default": ({"name": "ddp"}, True), "find_unused_parameters": ({"name": "ddp", "find_unused_parameters": True},
+                                                                       False)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("strategy", "settles"),
-    # DDP searching for unused parameters never re-lays its buckets, so it needs (and gets) no settling pass
-    [({"name": "ddp"}, True), ({"name": "ddp", "find_unused_parameters": True}, False)],
-    ids=["default", "find_unused_parameters"],
-)
-def test_every_step_of_every_attempt_reduces_in_one_layout(
-    tmp_path: Path, strategy: dict[str, tp.Any], settles: bool
-) -> None:
+def test_every_step_of_every_attempt_reduces_in_one_layout(tmp_path: Path) -> None:
     out = tmp_path / "layouts.pt"
-    mp.spawn(rank_main, args=(29400 + os.getpid() % 500, str(out), strategy), nprocs=WORLD)  # raises if a rank failed
-    seen = torch.load(out)
-    whole, resumed = seen["whole"], seen["resumed"]
-    # a step's real reduction is its last (a settling pass before it reduces too)
-    real = {n: layout for n, layout in whole}
-    assert sorted(real) == [0, 1, 2, 3], real.keys()
-    assert all(real[n] == real[0] for n in real), f"the uninterrupted run's steps reduced in different layouts: {real}"
-    first = [layout for n, layout in resumed if n == 2][-1]
-    assert first == real[2], f"the resumed attempt's first step reduced in another layout:\n{first}\nvs\n{real[2]}"
-    assert [layout for n, layout in resumed if n == 3] == [real[3]]
-    if settles:
-        assert whole[0][1] != real[0], "DDP's first layout is its settled one: this test would prove nothing"
-    else:
-        assert len(whole) == 4, f"a settling pass ran where DDP keeps its first layout: {len(whole)} reductions"
+    strategies = [strategy for strategy, _ in CASES.values()]
+    mp.spawn(rank_main, args=(29400 + os.getpid() % 500, str(out), strategies), nprocs=WORLD)  # raises if a rank failed
+    for (case, (_, settles)), seen in zip(CASES.items(), torch.load(out), strict=True):
+        whole, resumed = seen["whole"], seen["resumed"]
+        # a step's real reduction is its last (a settling pass before it reduces too)
+        real = {n: layout for n, layout in whole}
+        assert sorted(real) == [0, 1, 2, 3], (case, real.keys())
+        assert all(real[n] == real[0] for n in real), f"{case}: steps reduced differently: {real}"
+        first = [layout for n, layout in resumed if n == 2][-1]
+        assert first == real[2], f"{case}: the resumed first step's layout:\n{first}\nvs\n{real[2]}"
+        assert [layout for n, layout in resumed if n == 3] == [real[3]], case
+        if settles:
+            assert whole[0][1] != real[0], f"{case}: DDP's first layout is its settled one: proves nothing"
+        else:
+            assert len(whole) == 4, f"{case}: a settling pass ran: {len(whole)} reductions"
 
 
 def test_the_old_per_parameter_default_still_loads() -> None:

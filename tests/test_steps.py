@@ -256,6 +256,7 @@ def test_requeued_run_has_every_step_once(tmp_path: Path) -> None:
         tmp_path,
         "requeued",
         job=entrypoint_job(str(ROOT), 0.15),
+        resources={"nodes": 1, "gpus_per_node": 1},  # one rank: the table's and TensorBoard's rows are rank 0's
         training={"steps": total, "micro_batch": 2, "seq_len": 32},
         checkpoint={"interval": 5},
         metrics={"flush_steps": 1, "tensorboard": True},

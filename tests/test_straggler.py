@@ -5,6 +5,8 @@ then excluded at the next requeue) is in tests/test_cluster_faults.py."""
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 
 import pytest
@@ -80,8 +82,12 @@ def test_probes_keep_to_their_share_of_the_ranks_time() -> None:
 
 
 def test_probe_times_local_work() -> None:
+    # its own cost in CPU time (~40 ms), which a busy machine does not stretch as it stretches the wall time
+    began = time.process_time()
     seconds = probe(torch.device("cpu"))
-    assert 0 < seconds < 5
+    cpu = time.process_time() - began
+    assert math.isfinite(seconds) and seconds > 0, seconds
+    assert cpu < 2.0, f"the probe took {cpu:.2f} s of CPU"
 
 
 def test_state_with_slow_ranks_of_the_wrong_type_is_refused(tmp_path: Path) -> None:
