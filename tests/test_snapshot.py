@@ -36,7 +36,9 @@ from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
 from tests.runs import (
     STRATEGIES,
+    baseline_weights,
     hpcrun,
+    local_baseline,
     losses,
     recipe,
     rows,
@@ -46,13 +48,16 @@ from tests.runs import (
     state,
     wait_for,
 )
+from tests.test_cluster_faults import CHECKPOINT as CLUSTER_CHECKPOINT
+from tests.test_cluster_faults import TRAINING as CLUSTER_TRAINING
 from tests.test_fault_tolerance import alive, weights
 
 pytestmark = pytest.mark.slow
 
 WORLD, PER_NODE = 4, 2
-TRAINING = {"steps": 20, "lr": 0.003, "micro_batch": 2, "seq_len": 32}
-STEP_DELAY_S = 0.4  # 8 s of training: time to see a snapshot on both nodes and kill before the end
+# the cluster tests' training: DDP's and FSDP's uninterrupted runs at world 4 are theirs (local_baseline)
+TRAINING = CLUSTER_TRAINING
+STEP_DELAY_S = 0.4  # 12 s of training: time to see a snapshot on both nodes and kill before the end
 
 
 def prepared(tmp: Path, name: str, delay: float, memory_interval: int, disk_interval: int, strategy: str) -> Path:
@@ -129,8 +134,15 @@ def killed_after_snapshot(tmp: Path, name: str, disk_interval: int, strategy: st
 
 
 def baseline(factory: pytest.TempPathFactory, strategy: str) -> Path:
-    """The same training never interrupted, with no snapshots: once per strategy and test session,
-    pytest-xdist's workers sharing it (a lock, and a file naming the finished run)."""
+    """The same training never interrupted, finished: once per strategy and test session. DDP's and
+    FSDP's are the cluster tests' (tests/runs.py local_baseline: the same numbers on one node as on
+    two pretend ones; in CI one run serves both pytest runs); ZeRO-Infinity's is trained here, on two
+    pretend nodes, pytest-xdist's workers sharing it (a lock, and a file naming the finished run)."""
+    if strategy != "zero3-nvme-offload":
+        named = {} if strategy == "ddp" else {"strategy": STRATEGIES[strategy]}  # the cluster tests' DDP: the default
+        run_dir = local_baseline(factory, WORLD, training=TRAINING, checkpoint=CLUSTER_CHECKPOINT, **named)
+        baseline_weights(run_dir)
+        return run_dir
     shared = session_dir(factory, "snapshot-baselines")
     done = shared / f"{strategy}.run"
     with FileLock(shared / f"{strategy}.lock"):
