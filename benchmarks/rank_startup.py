@@ -1,7 +1,8 @@
 """A rank's start-up and exit in CPU seconds: the imports `hpcrun.launch` makes (torch, DCP, the
 runtime), then torch._dynamo (DDP's constructor imports it), then the interpreter's exit, with the
-launcher's garbage-collector handling (no collection during the imports, then gc.freeze) against
-plain imports, in the same run, alternating.
+launcher's garbage-collector handling (no collection during the imports, then gc.freeze: the
+sequence of hpcrun/launch.py's main, written out here) against plain imports, in the same run,
+alternating.
 
     python benchmarks/rank_startup.py [--rounds 5]
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -159,7 +160,9 @@ def local_baseline(tmp_path_factory: tp.Any, world: int, **fields: tp.Any) -> Pa
         **fields,
         "resources": {"nodes": 1, "gpus_per_node": world, "time": "00:10:00"},
     }
-    run_id = f"baseline-{world}-{hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
+    # torch's version in the id: a pytest run on another torch (CI's oldest) trains its own
+    named = json.dumps({**fields, "torch": importlib.metadata.version("torch")}, sort_keys=True)
+    run_id = f"baseline-{world}-{hashlib.sha1(named.encode()).hexdigest()[:10]}"
     # a larger world's site apart (more CPUs): pytest processes share the 4-rank one as it is
     where = shared if world <= 4 else shared / f"world-{world}"
     where.mkdir(exist_ok=True)

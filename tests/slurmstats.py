@@ -73,3 +73,16 @@ def job_steps(job: str) -> list[Step]:
             steps.append(Step(start, name.split(".", 1)[1], state.split()[0] if state else "", code,
                               int(tasks) if tasks.isdigit() else 0, _when(began), _when(ended)))
     return steps
+
+
+def numbered_steps(job: str) -> list[Step]:
+    """The numbered steps of a job that SLURM started once, by number, each once: a node dropped from
+    the running job (RESIZING) closes its record and opens another, which `job_steps` counts as a
+    start, and a step running across the resize may be listed under both (the first with the resize
+    as its end): the later end is kept."""
+    found: dict[str, Step] = {}
+    for step in job_steps(job):
+        seen = found.get(step.id)
+        if step.id.isdigit() and (seen is None or (step.ended or dt.datetime.max) > (seen.ended or dt.datetime.max)):
+            found[step.id] = step
+    return sorted(found.values(), key=lambda s: int(s.id))

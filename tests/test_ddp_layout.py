@@ -83,8 +83,10 @@ def rank_main(rank: int, port: int, out: str, strategies: list[dict[str, tp.Any]
 
 
 # DDP searching for unused parameters never re-lays its buckets, so it needs (and gets) no settling pass
-CASES = {"default": ({"name": "ddp"}, True), "find_unused_parameters": ({"name": "ddp", "find_unused_parameters": True},
-                                                                       False)}
+CASES = {
+    "default": ({"name": "ddp"}, True),
+    "find_unused_parameters": ({"name": "ddp", "find_unused_parameters": True}, False),
+}
 
 
 @pytest.mark.slow

@@ -143,7 +143,7 @@ def test_a_stopped_peer_ends_the_attempt_in_seconds_naming_it(tmp_path: Path) ->
 def test_a_rank_busy_on_a_core_is_not_hung_until_the_cap(tmp_path: Path) -> None:
     """The derived timeout, floored at 1 s here: 2 s of evaluation on a core (no step ends) pass;
     then the training thread spins forever without a step (as a wait on a GPU does): busy counts as
-    work for 2 s (the cap, 10 minutes by default) after the last step, then the timeout (5 x the
+    work for 3 s (the cap, 10 minutes by default) after the last step, then the timeout (5 x the
     slowest step, 5 s) runs and the watchdog ends it as hung."""
     body = """
         end = time.monotonic() + 2
@@ -155,7 +155,7 @@ def test_a_rank_busy_on_a_core_is_not_hung_until_the_cap(tmp_path: Path) -> None
         while True:  # a spinning wait that never ends
             sum(range(10000))
     """
-    proc = watched_rank(tmp_path, body, floor_s=1.0, busy_cap_s=2.0)
+    proc = watched_rank(tmp_path, body, floor_s=1.0, busy_cap_s=3.0)
     peer = Peer(proc)
     out, err = proc.communicate(timeout=120)
     peer.beating = False

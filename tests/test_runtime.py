@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -42,17 +41,7 @@ MEASURED_ELSEWHERE = ("ddp", "fsdp", "zero2", "zero3", "zero3-nvme-offload")
 
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n not in MEASURED_ELSEWHERE])
 def test_strategy_trains(name: str, tmp_path: Path) -> None:
-    """Each strategy trains and fills every measurement; ZeRO-1 from a user's DeepSpeed JSON, whose
-    settings are used but whose batch the recipe's overrides."""
     site = site_copy(tmp_path)
-    strategy = STRATEGIES[name]
-    if name == "zero1":
-        config = tmp_path / "ds.json"
-        config.write_text(json.dumps({
-            "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "zero_force_ds_cpu_optimizer": False,
-            "train_micro_batch_size_per_gpu": 99, "steps_per_print": 1000000,
-        }))
-        strategy = {"name": "deepspeed", "config": str(config)}
     if "nvme" in name:  # a private NVMe stand-in, so parallel test runs cannot collide
         site = site_copy(
             tmp_path,
@@ -65,16 +54,12 @@ def test_strategy_trains(name: str, tmp_path: Path) -> None:
     rec = recipe(
         tmp_path,
         name,
-        strategy=strategy,
+        strategy=STRATEGIES[name],
         training={"steps": 8, "lr": 0.003, "warmup_steps": 2},
         checkpoint={"interval": 4},
     )
     run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
     assert state(run_dir)["status"] == "completed"
-    if name == "zero1":
-        used = json.loads((run_dir / "deepspeed-config.json").read_text())
-        assert used["zero_optimization"] == {"stage": 1} and used["gradient_clipping"] == 0.5  # the user's
-        assert used["train_micro_batch_size_per_gpu"] == 4 and used["train_batch_size"] == 8  # the recipe's batch wins
     curve = losses(run_dir)
     assert len(curve) == 8 and curve[-1] < curve[0] - 0.05, curve
     (row,) = rows(tmp_path, run_dir).to_dict("records")
@@ -152,6 +137,7 @@ def test_ctrl_c_at_wait_leaves_the_local_job_running_and_logs_follow_it_to_the_e
     assert state(run_dir)["status"] == "completed" and len(losses(run_dir)) == steps  # it returned: the job ended
     lines = follow.stdout.splitlines()
     assert f"step {steps}/{steps}" in " ".join(lines[-3:]), lines[-5:]
+    # it followed the job (it ran past the Ctrl-C's moment, to the last step), from the log's start
     assert "step 5/" in follow.stdout and time.time() - started > 1
     once = hpcrun("logs", "--site", str(site), run_dir.name)
     assert once.stdout.startswith(follow.stdout)  # the same log, not lines lost or repeated
@@ -183,3 +169,25 @@ def test_strategy_options_train(name: str, tmp_path: Path) -> None:
     curve = losses(run_dir)
     assert state(run_dir)["status"] == "completed" and len(curve) == 6
     assert curve[-1] < curve[0] - 0.05 and all(c < 7 for c in curve), curve  # sane init, learning
+
+
+def test_deepspeed_config_from_a_users_json(tmp_path: Path) -> None:
+    import json
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "zero_force_ds_cpu_optimizer": False,
+        "train_micro_batch_size_per_gpu": 99, "steps_per_print": 1000000,
+    }))
+    site = site_copy(tmp_path)
+    rec = recipe(
+        tmp_path,
+        "userjson",
+        strategy={"name": "deepspeed", "config": str(config)},
+        training={"steps": 4, "lr": 0.003, "micro_batch": 2},
+    )
+    run_dir = run_dir_of(hpcrun("submit", "--site", str(site), "--wait", str(rec)))
+    assert state(run_dir)["status"] == "completed"
+    used = json.loads((run_dir / "deepspeed-config.json").read_text())
+    assert used["zero_optimization"] == {"stage": 1} and used["gradient_clipping"] == 0.5  # the user's
+    assert used["train_micro_batch_size_per_gpu"] == 2 and used["train_batch_size"] == 4  # the recipe's batch wins

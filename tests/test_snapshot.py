@@ -30,7 +30,7 @@ from hpcrun.backend import prepare
 from hpcrun.plan import plan
 from hpcrun.recipe import load_recipe
 from hpcrun.runtime import snapshot, snapshotfiles
-from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.env import DistEnv, cpu_threads
 from hpcrun.site import load_site
 from tests.delayed_training import entrypoint_job
 from tests.helpers import ROOT
@@ -77,13 +77,14 @@ def launch(
     """One start of the training step: every rank as srun would start it, ranks 2k and 2k+1 on
     pretend node k; a restart inside the job keeps SLURM's job id and requeue count and raises
     hpcrun's attempt number (HPCRUN_ATTEMPT), as the batch script does. `world`: fewer ranks than
-    planned, as after a shrink."""
+    planned, as after a shrink. Each rank has the intra-op threads of a baseline's rank (four on one
+    node, tests/runs.py local_baseline): CPU sums differ in the last bit with the thread count."""
     procs = []
     for rank in range(world):
         env = {
             **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(PER_NODE), "HPCRUN_LOCAL_JOB_ID": job_id, "HPCRUN_REQUEUES": "0",
-            "HPCRUN_ATTEMPT": str(attempt),
+            "HPCRUN_ATTEMPT": str(attempt), "OMP_NUM_THREADS": str(cpu_threads(WORLD)),
             rundir.SCRATCH_ENV: str(nodes[rank // PER_NODE]), "PYTHONPATH": str(ROOT),
         }
         with (run_dir / f"rank{rank}.log").open("ab") as log:
@@ -341,7 +342,7 @@ import os, signal, sys, time
 import torch, torch.distributed as dist
 from pathlib import Path
 from hpcrun.runtime import snapshot
-from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.env import DistEnv, cpu_threads
 
 class Engine:
     replicated = False
@@ -448,7 +449,7 @@ import sys, time
 import torch
 from pathlib import Path
 from hpcrun.runtime import snapshot
-from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.env import DistEnv, cpu_threads
 
 scratch, allocation, rank, release = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 
@@ -563,7 +564,7 @@ import torch, torch.distributed as dist
 from pathlib import Path
 from hpcrun import rundir
 from hpcrun.runtime import snapshot
-from hpcrun.runtime.env import DistEnv
+from hpcrun.runtime.env import DistEnv, cpu_threads
 
 tmp, case = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])

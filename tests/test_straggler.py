@@ -82,7 +82,7 @@ def test_probes_keep_to_their_share_of_the_ranks_time() -> None:
 
 
 def test_probe_times_local_work() -> None:
-    # its own cost in CPU time (~40 ms), which a busy machine does not stretch as it stretches the wall time
+    # its own cost in CPU time (0.04-0.2 s), which a busy machine does not stretch as it stretches the wall time
     began = time.process_time()
     seconds = probe(torch.device("cpu"))
     cpu = time.process_time() - began
