@@ -342,7 +342,7 @@ import os, signal, sys, time
 import torch, torch.distributed as dist
 from pathlib import Path
 from hpcrun.runtime import snapshot
-from hpcrun.runtime.env import DistEnv, cpu_threads
+from hpcrun.runtime.env import DistEnv
 
 class Engine:
     replicated = False
@@ -449,7 +449,7 @@ import sys, time
 import torch
 from pathlib import Path
 from hpcrun.runtime import snapshot
-from hpcrun.runtime.env import DistEnv, cpu_threads
+from hpcrun.runtime.env import DistEnv
 
 scratch, allocation, rank, release = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 
@@ -564,7 +564,7 @@ import torch, torch.distributed as dist
 from pathlib import Path
 from hpcrun import rundir
 from hpcrun.runtime import snapshot
-from hpcrun.runtime.env import DistEnv, cpu_threads
+from hpcrun.runtime.env import DistEnv
 
 tmp, case = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
